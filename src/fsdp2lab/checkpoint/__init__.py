@@ -1,0 +1,1 @@
+"""Checkpoints: distributed (DCP) save and resume, and plain state-dict export."""

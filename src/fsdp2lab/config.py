@@ -1,0 +1,220 @@
+"""Training configuration: one dataclass that defines every ``fsdp2lab train`` flag and TOML key.
+
+Precedence: dataclass defaults < ``--config FILE.toml`` < command-line flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fsdp2lab.errors import UsageError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+STRATEGIES = ("fsdp2", "single", "ddp", "fsdp1", "model-parallel")
+DATASETS = ("auto", "mnist", "fashion-mnist", "cifar10", "synthetic", "text")
+OPTIMIZERS = ("adadelta", "adam", "adamw", "sgd")
+SCHEDULERS = ("step", "cosine", "constant")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    """A config field with its help text (and optional argparse extras: choices, metavar)."""
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class TrainConfig:
+    # model
+    model: str = _opt("cnn", "model name from the registry (cnn, mlp, mlp2, cifar-cnn, gpt)")
+    dropout: float | None = _opt(None, "override every dropout probability (0 for exact parity runs)")
+    n_layers: int = _opt(4, "gpt: transformer blocks")
+    d_model: int = _opt(128, "gpt: embedding width")
+    n_heads: int = _opt(4, "gpt: attention heads")
+    seq_len: int = _opt(64, "gpt: context length in tokens")
+    vocab_size: int = _opt(256, "gpt: vocabulary size (256 = bytes)")
+    # data
+    dataset: str = _opt("auto", "auto picks mnist, else fashion-mnist, else synthetic", choices=DATASETS)
+    data_dir: str = _opt("./data", "where datasets are stored or downloaded")
+    download: bool = _opt(True, "download a missing dataset (rank 0 only)")
+    text_file: str | None = _opt(None, "dataset text: train the gpt on the bytes of this file")
+    synthetic_size: int = _opt(8192, "synthetic: number of training samples (test set is 1/4)")
+    num_workers: int = _opt(0, "data loader worker processes per rank")
+    # batch and schedule
+    global_batch_size: int | None = _opt(None, "samples per optimizer step over all ranks (default 64)")
+    batch_size: int | None = _opt(None, "per-rank micro-batch (the seeds' --batch-size)")
+    test_batch_size: int = _opt(1000, "per-rank evaluation batch")
+    grad_accum_steps: int = _opt(1, "micro-batches per optimizer step; sync only on the last")
+    epochs: int = _opt(2, "training epochs")
+    max_steps: int | None = _opt(None, "stop after this many optimizer steps (overrides --epochs)")
+    # optimisation
+    optimizer: str = _opt("adadelta", "optimizer", choices=OPTIMIZERS)
+    lr: float | None = _opt(None, "learning rate (default: 1.0 adadelta, 1e-3 adam/adamw, 0.01 sgd)")
+    gamma: float = _opt(0.7, "StepLR decay per epoch (scheduler step)")
+    scheduler: str = _opt("step", "LR schedule", choices=SCHEDULERS)
+    warmup_steps: int = _opt(0, "linear warm-up steps (cosine)")
+    weight_decay: float = _opt(0.0, "weight decay")
+    momentum: float = _opt(0.9, "sgd momentum")
+    max_grad_norm: float | None = _opt(None, "clip the global gradient norm to this value")
+    seed: int = _opt(1, "random seed: weights, data order and dropout")
+    # parallelism
+    strategy: str = _opt("fsdp2", "how the model is parallelised", choices=STRATEGIES)
+    dp_replicate: int = _opt(1, "replica groups (HSDP when > 1)")
+    dp_shard: int = _opt(-1, "ranks each model copy is sharded over (-1: the rest)")
+    reshard_after_forward: str = _opt(
+        "true", "true | false | N (reshard to groups of N ranks)", metavar="{true,false,N}"
+    )
+    mixed_precision: str = _opt("fp32", "parameter dtype in compute", choices=PRECISIONS)
+    cpu_offload: bool = _opt(False, "keep sharded parameters, gradients and optimizer state on CPU")
+    prefetch: int = _opt(0, "explicit FSDP2 prefetch: all-gather N units ahead (0: FSDP2's default)")
+    # launch and runtime
+    nproc_per_node: int | None = _opt(None, "standalone: local workers (default: GPUs, or 2 on CPU)")
+    device: str = _opt("auto", "auto (cuda if present) | cpu | cuda", choices=("auto", "cpu", "cuda"))
+    # output
+    metrics_file: str | None = _opt(None, "JSON-lines metrics written by rank 0")
+    log_every_steps: int = _opt(10, "metrics-file step line every N optimizer steps")
+    progress: str = _opt("auto", "progress bar: auto (when a terminal) | on | off", choices=("auto", "on", "off"))
+    save_model: str | None = _opt(
+        None, "write a plain state dict at the end (default name <model>.pt; cnn: mnist_cnn.pt)"
+    )
+
+    # ---- derived helpers -------------------------------------------------------------
+    def reshard_value(self) -> bool | int:
+        """``--reshard-after-forward`` as FSDP2 takes it."""
+        value = self.reshard_after_forward.strip().lower()
+        if value in ("true", "1", "yes"):
+            return True
+        if value in ("false", "0", "no"):
+            return False
+        try:
+            return int(value)
+        except ValueError:
+            raise UsageError(
+                f"--reshard-after-forward must be true, false or an integer, not {self.reshard_after_forward!r}"
+            ) from None
+
+    def default_lr(self) -> float:
+        return {"adadelta": 1.0, "adam": 1e-3, "adamw": 1e-3, "sgd": 0.01}[self.optimizer]
+
+    def to_toml(self) -> str:
+        """The resolved config as TOML (what ``--config`` reads back)."""
+        lines = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                lines.append(f"# {f.name} = (unset)")
+            elif isinstance(value, bool):
+                lines.append(f"{f.name} = {'true' if value else 'false'}")
+            elif isinstance(value, (int, float)):
+                lines.append(f"{f.name} = {value!r}")
+            else:
+                lines.append(f'{f.name} = "{value}"')
+        return "\n".join(lines)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+_SAVE_MODEL_DEFAULT = "<default>"
+
+
+def _field_type(f: dataclasses.Field) -> type:
+    text = str(f.type)
+    if "bool" in text:
+        return bool
+    if "int" in text:
+        return int
+    if "float" in text:
+        return float
+    return str
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per config field; every default is None so that unset flags can be told apart."""
+    parser.add_argument("--config", metavar="FILE.toml", help="TOML file of config keys (flags override it)")
+    for name, f in _FIELDS.items():
+        flag = "--" + name.replace("_", "-")
+        kind = _field_type(f)
+        extra = {k: v for k, v in f.metadata.items() if k in ("choices", "metavar")}
+        help_text = f"{f.metadata['help']} (default: {f.default})"
+        if name == "save_model":
+            parser.add_argument(flag, nargs="?", const=_SAVE_MODEL_DEFAULT, default=None, metavar="PATH", help=help_text)
+        elif kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            parser.add_argument(flag, type=kind, default=None, help=help_text, **extra)
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """Read a config file; unknown keys and wrong types are a UsageError."""
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"config file not found: {path}")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise UsageError(f"config file {path} is not valid TOML: {e}") from None
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name not in _FIELDS:
+            known = ", ".join(sorted(_FIELDS))
+            raise UsageError(f"config file {path}: unknown key {key!r} (known keys: {known})")
+        kind = _field_type(_FIELDS[name])
+        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value, ok = float(value), True
+        if not ok:
+            raise UsageError(
+                f"config file {path}: {key} must be {kind.__name__}, got {type(value).__name__} {value!r}"
+            )
+        values[name] = value
+    return values
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Merge defaults, the TOML file and the flags into a validated TrainConfig."""
+    values: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        values.update(load_toml(args.config))
+    for name in _FIELDS:
+        value = getattr(args, name, None)
+        if value is not None:
+            values[name] = value
+    cfg = TrainConfig(**values)
+    if cfg.save_model == _SAVE_MODEL_DEFAULT:
+        cfg.save_model = "mnist_cnn.pt" if cfg.model == "cnn" else f"{cfg.model}.pt"
+    validate_basic(cfg)
+    return cfg
+
+
+def validate_basic(cfg: TrainConfig) -> None:
+    """Checks that need no knowledge of the world size or the data."""
+    for name in _FIELDS:
+        choices = _FIELDS[name].metadata.get("choices")
+        if choices and getattr(cfg, name) not in choices:
+            raise UsageError(f"--{name.replace('_', '-')} must be one of {', '.join(choices)}, not {getattr(cfg, name)!r}")
+    positive = ["grad_accum_steps", "epochs", "test_batch_size", "log_every_steps", "synthetic_size"]
+    positive += ["n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "dp_replicate"]
+    for name in positive:
+        if getattr(cfg, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    for name in ("global_batch_size", "batch_size", "max_steps", "nproc_per_node"):
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if cfg.dp_shard < 1 and cfg.dp_shard != -1:
+        raise UsageError(f"--dp-shard must be >= 1 or -1 (the rest), got {cfg.dp_shard}")
+    if cfg.dropout is not None and not 0.0 <= cfg.dropout < 1.0:
+        raise UsageError(f"--dropout must be in [0, 1), got {cfg.dropout}")
+    if cfg.prefetch < 0:
+        raise UsageError(f"--prefetch must be >= 0, got {cfg.prefetch}")
+    cfg.reshard_value()
+    if cfg.dataset == "text" and not cfg.text_file:
+        raise UsageError("--dataset text needs --text-file PATH")

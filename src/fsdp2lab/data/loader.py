@@ -1,0 +1,121 @@
+"""Resolve ``--dataset``, load it (rank 0 downloads while the others wait), and build the loaders."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from fsdp2lab.config import TrainConfig
+from fsdp2lab.data import sources, synthetic, text
+from fsdp2lab.data.arrays import ArrayDataset, collate_batch
+from fsdp2lab.data.sampler import DistributedBatchSampler
+from fsdp2lab.errors import UsageError
+from fsdp2lab.models import ModelSpec
+
+DOWNLOAD_TIMEOUT_S = 30
+
+
+@dataclass
+class DataChoice:
+    name: str
+    folder: str | None  # None for generated data
+    note: str  # what is used and why, for the user
+
+
+def choose(cfg: TrainConfig, spec: ModelSpec) -> DataChoice:
+    """Decide which dataset to use, downloading if needed. Run on one rank only."""
+    name = spec.default_dataset if cfg.dataset == "auto" else cfg.dataset
+    if cfg.dataset == "auto" and spec.task == "lm":
+        name = "text" if cfg.text_file else "synthetic"
+    if name not in spec.datasets:
+        raise UsageError(f"dataset {name!r} does not fit model {spec.name!r}; it takes: {', '.join(spec.datasets)}")
+    if name == "synthetic":
+        return DataChoice(name, None, "synthetic data generated from the seed (no download)")
+    if name == "text":
+        return DataChoice(name, cfg.text_file, f"bytes of {cfg.text_file}")
+    if cfg.dataset != "auto":
+        folder = _ensure(name, cfg)
+        return DataChoice(name, str(folder), f"{name} from {folder}")
+    try:
+        folder = _ensure(name, cfg)
+        return DataChoice(name, str(folder), f"{name} from {folder}")
+    except UsageError as e:
+        why = str(e).splitlines()[0].split(": ", 1)[-1].rstrip(".")
+    for fallback in [d for d in spec.datasets if d not in (name, "synthetic")]:
+        folder = sources.locate(fallback, cfg.data_dir)
+        if folder is not None:
+            return DataChoice(fallback, str(folder), f"{fallback} from {folder}, because {name} is not available ({why})")
+    return DataChoice("synthetic", None, f"synthetic data generated from the seed, because {name} is not available ({why})")
+
+
+def _ensure(name: str, cfg: TrainConfig):
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)
+    try:
+        return sources.ensure(name, cfg.data_dir, cfg.download)
+    finally:
+        socket.setdefaulttimeout(previous)
+
+
+def choose_on_rank0(cfg: TrainConfig, spec: ModelSpec) -> DataChoice:
+    """Rank 0 chooses (and downloads) while the others wait; every rank gets the same answer or error."""
+    box: list = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            box[0] = choose(cfg, spec)
+        except UsageError as e:
+            box[0] = e
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], UsageError):
+        raise box[0]
+    return box[0]
+
+
+def load(choice: DataChoice, cfg: TrainConfig, spec: ModelSpec) -> tuple[ArrayDataset, ArrayDataset]:
+    if choice.name == "synthetic":
+        n_test = max(1, cfg.synthetic_size // 4)
+        if spec.task == "lm":
+            return synthetic.tokens(cfg.vocab_size, cfg.seq_len, cfg.synthetic_size, n_test, cfg.seed)
+        return synthetic.images(spec.input_shape, cfg.synthetic_size, n_test, cfg.seed)
+    if choice.name == "text":
+        if cfg.vocab_size < 256:
+            raise UsageError(f"--dataset text is byte-level: --vocab-size must be >= 256, got {cfg.vocab_size}")
+        return text.byte_windows(choice.folder, cfg.seq_len)
+    from pathlib import Path
+
+    return sources.load(choice.name, Path(choice.folder))
+
+
+def batch_sizes(cfg: TrainConfig, dp: int) -> tuple[int, int]:
+    """(global batch per optimizer step, per-rank micro-batch) from --global-batch-size / --batch-size."""
+    k = cfg.grad_accum_steps
+    if cfg.global_batch_size is not None and cfg.batch_size is not None:
+        if cfg.global_batch_size != cfg.batch_size * dp * k:
+            raise UsageError(
+                f"--global-batch-size {cfg.global_batch_size} disagrees with --batch-size {cfg.batch_size} x "
+                f"data-parallel ranks {dp} x grad-accum-steps {k} = {cfg.batch_size * dp * k}; give one of them"
+            )
+    if cfg.batch_size is not None:
+        return cfg.batch_size * dp * k, cfg.batch_size
+    global_batch = cfg.global_batch_size or 64
+    if global_batch % (dp * k):
+        raise UsageError(
+            f"--global-batch-size {global_batch} is not divisible by data-parallel ranks {dp} x "
+            f"grad-accum-steps {k} = {dp * k}"
+        )
+    return global_batch, global_batch // (dp * k)
+
+
+def train_loader(dataset: ArrayDataset, sampler: DistributedBatchSampler, cfg: TrainConfig, device: torch.device):
+    return StatefulDataLoader(
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=collate_batch,
+        num_workers=cfg.num_workers,
+        pin_memory=device.type == "cuda",
+    )

@@ -1,0 +1,7 @@
+"""The one exception type for bad input: the CLI prints its message once and exits with code 2."""
+
+USAGE_EXIT_CODE = 2
+
+
+class UsageError(Exception):
+    """Bad input from the user (flags, config file, data, checkpoint). Message only, no traceback."""

@@ -1,0 +1,86 @@
+"""Meta-device construction and deterministic initialisation that does not depend on sharding.
+
+The model is built on the meta device (no memory), parallelised, moved with ``to_empty`` to its
+device, then initialised here one module at a time: each module's full tensors are made on CPU from a
+generator seeded by (seed, module name), and each rank copies in only the part it holds. So the
+initial full weights are identical for every strategy, mesh and world size, and no rank ever holds
+more than one full layer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def build_on_meta(factory: Callable[[], nn.Module]) -> nn.Module:
+    with torch.device("meta"):
+        return factory()
+
+
+def module_seed(seed: int, fqn: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{fqn}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _init_module(root: nn.Module, fqn: str, module: nn.Module) -> None:
+    custom = getattr(root, "init_module", None)
+    if custom is not None:
+        custom(fqn, module)
+    elif hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+    else:
+        raise TypeError(f"module {fqn or '<root>'} ({type(module).__name__}) has parameters but no reset_parameters()")
+
+
+def _copy_into(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the part of ``full`` that this rank holds into ``target`` (a DTensor shard or a plain tensor)."""
+    with torch.no_grad():
+        if isinstance(target, DTensor):
+            src = full.to(device=target.device_mesh.device_type, dtype=target.dtype)
+            local = distribute_tensor(src, target.device_mesh, target.placements, src_data_rank=None).to_local()
+            target.to_local().copy_(local)
+        else:
+            target.copy_(full.to(target.dtype))
+
+
+def init_weights(model: nn.Module, reference: nn.Module, seed: int) -> None:
+    """Initialise ``model`` (already ``to_empty``-ed, possibly sharded) from the meta ``reference``.
+
+    ``reference`` is an unparallelised meta copy of the same architecture: its modules give the
+    full shapes and the init functions.
+    """
+    for fqn, ref_module in reference.named_modules():
+        own = dict(ref_module.named_parameters(recurse=False))
+        own.update(dict(ref_module.named_buffers(recurse=False)))
+        if not own:
+            continue
+        ref_module.to_empty(device="cpu", recurse=False)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(module_seed(seed, fqn))
+            _init_module(reference, fqn, ref_module)
+        prefix = f"{fqn}." if fqn else ""
+        for name, full in own.items():
+            full = getattr(ref_module, name)
+            _copy_into(_lookup(model, prefix + name), full)
+        ref_module.to(device="meta")
+
+
+def _lookup(model: nn.Module, name: str) -> torch.Tensor:
+    """A parameter or buffer by its unwrapped name (wrappers such as DDP or PP stages add prefixes)."""
+    try:
+        return model.get_parameter(name)
+    except AttributeError:
+        pass
+    try:
+        return model.get_buffer(name)
+    except AttributeError:
+        pass
+    for key, value in list(model.named_parameters()) + list(model.named_buffers()):
+        if key.replace("_checkpoint_wrapped_module.", "").replace("module.", "", 1) == name:
+            return value
+    raise KeyError(f"{name} not found in the parallelised model")

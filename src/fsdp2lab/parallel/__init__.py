@@ -1,0 +1,1 @@
+"""Parallelisms: each strategy is one function ``parallelize(model, mesh, cfg) -> model``."""

@@ -1,0 +1,1 @@
+"""Runtime: how this process was launched, its device and process group, and the DeviceMesh."""

@@ -1,0 +1,54 @@
+"""Per-rank device and process group: ``cuda:LOCAL_RANK`` + nccl where GPUs exist, else cpu + gloo."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from fsdp2lab.errors import UsageError
+from fsdp2lab.runtime.launch_env import LaunchEnv, export
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def pick_device(preference: str, local_rank: int) -> torch.device:
+    if preference == "cpu" or (preference == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise UsageError("--device cuda was asked for, but no CUDA device is available")
+    if local_rank >= torch.cuda.device_count():
+        raise UsageError(f"local rank {local_rank} has no GPU: this node has {torch.cuda.device_count()}")
+    return torch.device("cuda", local_rank)
+
+
+def init(launch: LaunchEnv, device_preference: str = "auto") -> Runtime:
+    """Start the process group for this rank (a one-rank group for a single process)."""
+    export(launch)
+    device = pick_device(device_preference, launch.local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=float(os.environ.get("FSDP2LAB_PG_TIMEOUT_S", "600")))
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size, timeout=timeout, **kwargs)
+    return Runtime(launch.rank, launch.world_size, launch.local_rank, device, backend)
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,79 @@
+"""Standalone launch: start N local worker processes, as the seed tutorial's ``mp.spawn`` did.
+
+Each worker is ``python -m fsdp2lab <same arguments>`` with torchrun's environment variables, so
+workers run exactly the code path they run under torchrun. The first worker to fail ends the rest:
+the job never hangs, and its exit code is the failing worker's.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+_GRACE_S = 5.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(nproc: int, argv: list[str]) -> int:
+    """Run ``python -m fsdp2lab *argv`` on ``nproc`` local ranks; return the job's exit code."""
+    port = str(free_port())
+    procs: list[subprocess.Popen] = []
+    for rank in range(nproc):
+        env = dict(os.environ)
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(nproc),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(nproc),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            FSDP2LAB_LAUNCHED_BY="fsdp2lab",
+        )
+        procs.append(subprocess.Popen([sys.executable, "-m", "fsdp2lab", *argv], env=env))
+
+    def forward(signum, _frame):  # preemption signals reach every worker
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    try:
+        return _wait(procs)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        _stop(procs)
+
+
+def _wait(procs: list[subprocess.Popen]) -> int:
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:
+            return failed[0] if failed[0] > 0 else 1
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.05)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """Terminate the workers still running, then kill any that ignore it."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + _GRACE_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

@@ -1,0 +1,49 @@
+"""Run one rank's work: start the process group, report errors once, always destroy the group.
+
+Bad input (UsageError) is detected identically on every rank, so only rank 0 prints it and every
+rank exits with code 2. Any other exception is printed by the rank that raised it. A rank that fails
+only because a peer died (its collective broke) prints one line, not a second traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from fsdp2lab.errors import USAGE_EXIT_CODE, UsageError
+from fsdp2lab.runtime import distributed
+from fsdp2lab.runtime.distributed import Runtime
+from fsdp2lab.runtime.launch_env import LaunchEnv
+
+_PEER_FAILURE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout")
+
+
+def _is_peer_failure(error: BaseException) -> bool:
+    text = str(error)
+    return isinstance(error, dist.DistError) or any(marker in text for marker in _PEER_FAILURE_MARKERS)
+
+
+def run_rank(launch: LaunchEnv, device: str, work: Callable[[Runtime], None]) -> int:
+    """Run ``work`` on this rank; return the process exit code."""
+    try:
+        runtime = distributed.init(launch, device)
+        work(runtime)
+        return 0
+    except UsageError as e:
+        if launch.rank == 0:
+            print(f"fsdp2lab: error: {e}", file=sys.stderr, flush=True)
+        return USAGE_EXIT_CODE
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        if _is_peer_failure(e) and launch.world_size > 1:
+            first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            print(f"[rank {launch.rank}] stopped: another rank failed ({first_line[:200]})", file=sys.stderr, flush=True)
+        else:
+            print(f"[rank {launch.rank}] failed:\n{traceback.format_exc()}", file=sys.stderr, end="", flush=True)
+        return 1
+    finally:
+        distributed.destroy()

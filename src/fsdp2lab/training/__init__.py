@@ -1,0 +1,1 @@
+"""The training loop and what it needs: optimizers, gradient clipping, metrics."""

@@ -1,0 +1,39 @@
+"""Optimizers and LR schedules from the config (the seed's recipe: Adadelta lr 1.0 + StepLR gamma 0.7)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler, StepLR
+
+from fsdp2lab.config import TrainConfig
+
+
+def build_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
+    lr = cfg.lr if cfg.lr is not None else cfg.default_lr()
+    wd = cfg.weight_decay
+    if cfg.optimizer == "adadelta":
+        return torch.optim.Adadelta(params, lr=lr, weight_decay=wd)
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=wd)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=wd)
+    return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=wd)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int) -> tuple[LRScheduler, str]:
+    """The schedule and when it steps: ``"epoch"`` (StepLR, as in the seed) or ``"step"``."""
+    if cfg.scheduler == "step":
+        return StepLR(optimizer, step_size=1, gamma=cfg.gamma), "epoch"
+    warmup = cfg.warmup_steps
+
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if cfg.scheduler == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return LambdaLR(optimizer, factor), "step"

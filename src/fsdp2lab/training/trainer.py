@@ -1,0 +1,369 @@
+"""The training loop: mesh -> model (meta, parallelised, materialised) -> data -> steps -> evaluation.
+
+Read top to bottom: ``Trainer.__init__`` builds everything, ``fit`` runs epochs of ``train_step``
+and ``evaluate``, ``summary`` measures. Checkpointing and preemption attach through ``hooks``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fsdp2lab.config import TrainConfig
+from fsdp2lab.data import loader as data_loader
+from fsdp2lab.data.sampler import DistributedBatchSampler, eval_shards
+from fsdp2lab.models import get_spec, layer_units
+from fsdp2lab.models.materialize import build_on_meta, init_weights
+from fsdp2lab.parallel.fsdp2 import DTYPES
+from fsdp2lab.parallel.strategies import ParallelContext, check_world_size, get_strategy
+from fsdp2lab.runtime.distributed import Runtime
+from fsdp2lab.runtime.mesh import ParallelDims, build_mesh, dp_rank
+from fsdp2lab.training import metrics as m
+from fsdp2lab.training.grad_norm import clip_grad_norm_
+from fsdp2lab.training.optim import build_optimizer, build_scheduler
+
+
+@dataclass
+class TrainState:
+    """Where training is, counted in world-size-independent units."""
+
+    epoch: int = 1  # the epoch in progress (1-based, as the seed prints it)
+    step: int = 0  # optimizer steps done
+    samples_seen: int = 0  # global samples consumed
+    epoch_samples: int = 0  # global samples of the current epoch consumed
+
+
+class Hooks:
+    """Extension points (checkpointing, preemption). Each is called on every rank."""
+
+    def before_fit(self, trainer: Trainer) -> None: ...
+    def after_step(self, trainer: Trainer) -> None: ...
+    def after_epoch(self, trainer: Trainer) -> None: ...
+    def after_fit(self, trainer: Trainer) -> None: ...
+
+
+class StopTraining(Exception):
+    """Raised by a hook to end training early and cleanly (e.g. after a preemption checkpoint)."""
+
+
+def log0(runtime: Runtime, *args, **kwargs) -> None:
+    if runtime.is_main:
+        print(*args, **kwargs, flush=True)
+
+
+def _fault_injection(rank: int, step: int) -> None:
+    """Testing aid: ``FSDP2LAB_FAIL_AT=RANK:STEP`` makes that rank raise at that step."""
+    spec = os.environ.get("FSDP2LAB_FAIL_AT")
+    if spec:
+        want_rank, want_step = (int(v) for v in spec.split(":"))
+        if rank == want_rank and step == want_step:
+            raise RuntimeError(f"injected failure on rank {rank} at step {step} (FSDP2LAB_FAIL_AT)")
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, runtime: Runtime, hooks: list[Hooks] | None = None):
+        self.cfg = cfg
+        self.runtime = runtime
+        self.device = runtime.device
+        self.hooks = list(hooks or [])
+        self.spec = get_spec(cfg.model)
+        self.strategy = get_strategy(cfg.strategy)
+        check_world_size(self.strategy, runtime.world_size)
+
+        # Mesh: named data-parallel (and, where asked, tp/pp) dimensions.
+        self.dims = ParallelDims.resolve(
+            runtime.world_size, cfg.dp_replicate, cfg.dp_shard, getattr(cfg, "tp", 1), getattr(cfg, "pp", 1)
+        )
+        self.mesh = build_mesh(self.dims, self.device.type)
+        self.dp_rank = dp_rank(self.dims, self.mesh)
+        self.global_batch, self.micro_batch = data_loader.batch_sizes(cfg, self.dims.dp)
+
+        # Data: rank 0 resolves/downloads, everyone loads.
+        self.data_choice = data_loader.choose_on_rank0(cfg, self.spec)
+        self.train_set, self.test_set = data_loader.load(self.data_choice, cfg, self.spec)
+        self.sampler = DistributedBatchSampler(
+            len(self.train_set), self.global_batch, cfg.grad_accum_steps, self.dims.dp, self.dp_rank, cfg.seed
+        )
+        self.loader = data_loader.train_loader(self.train_set, self.sampler, cfg, self.device)
+        self.total_steps = self._total_steps()
+
+        # Model: meta -> parallelise -> to_empty -> deterministic init.
+        reference = build_on_meta(lambda: self.spec.build(cfg))
+        model = build_on_meta(lambda: self.spec.build(cfg))
+        ctx = ParallelContext(cfg, self.dims, self.mesh, self.device, layer_units(model))
+        self.model = self.strategy.parallelize(model, ctx)
+        init_device = "cpu" if cfg.cpu_offload else self.device
+        self.model.to_empty(device=init_device)
+        init_weights(self.model, reference, cfg.seed)
+        self.params_total = sum(p.numel() for p in reference.parameters())
+
+        self.optimizer = build_optimizer(self.model.parameters(), cfg)
+        self.scheduler, self.scheduler_unit = build_scheduler(self.optimizer, cfg, self.total_steps)
+        self.scaler = torch.amp.GradScaler(self.device.type) if cfg.mixed_precision == "fp16" else None
+        self.state = TrainState()
+        self.metrics = m.MetricsWriter(cfg.metrics_file, runtime.is_main)
+        # Dropout differs per rank (as it would on separate GPUs) but is reproducible.
+        torch.manual_seed(cfg.seed * 1000 + runtime.rank)
+        self.epoch_times: list[float] = []
+        self.last_eval: dict = {}
+        self.train_time_s = 0.0
+        self.last_grad_norm: float | None = None
+
+    # ------------------------------------------------------------------ setup helpers
+    def _total_steps(self) -> int:
+        per_epoch = self.sampler.steps_per_epoch
+        steps = per_epoch * self.cfg.epochs
+        return min(steps, self.cfg.max_steps) if self.cfg.max_steps else steps
+
+    def describe(self) -> str:
+        mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh.mesh_dim_names, self.mesh.shape, strict=True))
+        return (
+            f"fsdp2lab: {self.cfg.strategy} on {self.runtime.world_size} rank(s) [{self.device.type}/"
+            f"{self.runtime.backend}], mesh {mesh}, model {self.cfg.model} ({self.params_total:,} parameters), "
+            f"global batch {self.global_batch} = {self.micro_batch}/rank x {self.dims.dp} dp x "
+            f"{self.cfg.grad_accum_steps} accum\n"
+            f"fsdp2lab: dataset: {self.data_choice.note}; {len(self.train_set)} train / {len(self.test_set)} test samples"
+        )
+
+    def _autocast(self):
+        if self.strategy.autocast and self.cfg.mixed_precision != "fp32":
+            return torch.autocast(self.device.type, dtype=DTYPES[self.cfg.mixed_precision])
+        return contextlib.nullcontext()
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        return F.cross_entropy(output.reshape(-1, output.shape[-1]).float(), target.reshape(-1), reduction=reduction)
+
+    def _to_device(self, batch):
+        x, y = batch
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def _all_reduce_sum(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if dist.is_initialized() and self.runtime.world_size > 1:
+            dist.all_reduce(t)
+        return t.tolist()
+
+    @property
+    def replicas_per_dp_rank(self) -> int:
+        """How many ranks see the same data-parallel share (tensor/pipeline parallel copies)."""
+        return self.runtime.world_size // self.dims.dp
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, batches) -> tuple[torch.Tensor, int]:
+        """One optimizer step over K micro-batches; returns (this rank's mean loss, its samples)."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        k = self.cfg.grad_accum_steps
+        loss_sum = torch.zeros((), device=self.device)
+        samples = 0
+        for micro in range(k):
+            x, y = self._to_device(next(batches))
+            with self.strategy.sync_context(self.model, micro == k - 1), self._autocast():
+                loss = self._loss(self.model(x), y) / k
+                if self.scaler is not None:
+                    self.scaler.scale(loss).backward()
+                else:
+                    loss.backward()
+            loss_sum += loss.detach()
+            samples += len(x)
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        log_step = (self.state.step + 1) % self.cfg.log_every_steps == 0
+        if self.cfg.max_grad_norm is not None or log_step:
+            self.last_grad_norm = float(clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm))
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        if self.scheduler_unit == "step":
+            self.scheduler.step()
+        return loss_sum, samples
+
+    def fit(self) -> dict:
+        cfg, rt = self.cfg, self.runtime
+        log0(rt, self.describe())
+        for hook in self.hooks:
+            hook.before_fit(self)
+        start = time.perf_counter()
+        try:
+            while self.state.epoch <= cfg.epochs and not self._done():
+                self._train_epoch()
+        except StopTraining as stop:
+            log0(rt, f"fsdp2lab: training stopped: {stop}")
+            self.train_time_s += time.perf_counter() - start
+            return {}
+        self.train_time_s += time.perf_counter() - start
+        summary = self.summary()
+        self.metrics.write("summary", **summary)
+        for hook in self.hooks:
+            hook.after_fit(self)
+        return summary
+
+    def _done(self) -> bool:
+        return self.cfg.max_steps is not None and self.state.step >= self.cfg.max_steps
+
+    def _train_epoch(self) -> None:
+        cfg, rt, st = self.cfg, self.runtime, self.state
+        self.sampler.set_epoch(st.epoch, st.epoch_samples)
+        batches = iter(self.loader)
+        steps_left = (len(self.train_set) // self.global_batch) - st.epoch_samples // self.global_batch
+        progress = _Progress(rt.is_main and _want_progress(cfg.progress), st.epoch, steps_left)
+        t0 = time.perf_counter()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        sample_count = 0
+        for _ in range(steps_left):
+            if self._done():
+                break
+            _fault_injection(rt.rank, st.step + 1)
+            loss, samples = self.train_step(batches)
+            loss_sum += loss.double() * samples
+            sample_count += samples
+            st.step += 1
+            st.samples_seen += self.global_batch
+            st.epoch_samples += self.global_batch
+            if st.step % cfg.log_every_steps == 0:
+                self._log_step(loss)
+            progress.update(loss)
+            for hook in self.hooks:
+                hook.after_step(self)
+        progress.close()
+        epoch_time = time.perf_counter() - t0
+        total_loss, total_count = self._all_reduce_sum([float(loss_sum), float(sample_count)])
+        train_loss = total_loss / max(total_count, 1)
+        log0(rt, f"Train Epoch: {st.epoch} \tLoss: {train_loss:.6f}")
+        self.last_eval = self.evaluate()
+        ev = self.last_eval
+        log0(
+            rt,
+            f"Test set: Average loss: {ev['test_loss']:.4f}, Accuracy: {ev['correct']}/{ev['count']} "
+            f"({100.0 * ev['test_accuracy']:.2f}%)",
+        )
+        epoch_samples = total_count / self.replicas_per_dp_rank
+        samples_per_s = epoch_samples / epoch_time if epoch_time > 0 else 0.0
+        log0(rt, f"Epoch {st.epoch} time: {epoch_time:.2f}s ({samples_per_s:,.0f} samples/s)\n")
+        self.epoch_times.append(epoch_time)
+        self.metrics.write(
+            "epoch",
+            epoch=st.epoch,
+            step=st.step,
+            train_loss=train_loss,
+            test_loss=ev["test_loss"],
+            test_accuracy=ev["test_accuracy"],
+            epoch_time_s=epoch_time,
+            samples_per_s=samples_per_s,
+        )
+        if self.scheduler_unit == "epoch":
+            self.scheduler.step()
+        epoch_complete = st.epoch_samples + self.global_batch > len(self.train_set)
+        if epoch_complete:
+            st.epoch += 1
+            st.epoch_samples = 0
+        for hook in self.hooks:
+            hook.after_epoch(self)
+
+    def _log_step(self, loss: torch.Tensor) -> None:
+        (mean_loss,) = self._all_reduce_sum([float(loss)])
+        mean_loss /= self.runtime.world_size
+        self.metrics.write(
+            "step",
+            step=self.state.step,
+            epoch=self.state.epoch,
+            loss=mean_loss,
+            grad_norm=self.last_grad_norm,
+            lr=self.optimizer.param_groups[0]["lr"],
+            samples_seen=self.state.samples_seen,
+        )
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Test loss and accuracy over the whole test set; loss, correct and count summed over ranks."""
+        self.model.eval()
+        loss_sum, correct, count = 0.0, 0.0, 0.0
+        for indices, valid in eval_shards(len(self.test_set), self.cfg.test_batch_size, self.dims.dp, self.dp_rank):
+            x, y = self._to_device(self.test_set.__getitems__(indices))
+            with self._autocast():
+                out = self.model(x)
+            out, y = out[:valid], y[:valid]
+            loss_sum += float(self._loss(out, y, reduction="sum"))
+            correct += float((out.argmax(dim=-1) == y).sum())
+            count += y.numel()
+        loss_sum, correct, count = (v / self.replicas_per_dp_rank for v in self._all_reduce_sum([loss_sum, correct, count]))
+        self.model.train()
+        return {
+            "test_loss": loss_sum / max(count, 1),
+            "test_accuracy": correct / max(count, 1),
+            "correct": int(round(correct)),
+            "count": int(round(count)),
+        }
+
+    # ------------------------------------------------------------------ measurement
+    def summary(self) -> dict:
+        mine = {
+            "sharded_state_bytes": m.sharded_state_bytes(self.model, self.optimizer),
+            "peak_memory_bytes": m.peak_memory_bytes(self.device),
+        }
+        gathered: list = [None] * self.runtime.world_size
+        if self.runtime.world_size > 1:
+            dist.all_gather_object(gathered, mine)
+        else:
+            gathered = [mine]
+        epochs_run = len(self.epoch_times)
+        trained_samples = self.state.samples_seen
+        return {
+            "strategy": self.cfg.strategy,
+            "world_size": self.runtime.world_size,
+            "mesh": {"shape": list(self.mesh.shape), "names": list(self.mesh.mesh_dim_names)},
+            "model": self.cfg.model,
+            "dataset": self.data_choice.name,
+            "mixed_precision": self.cfg.mixed_precision,
+            "global_batch_size": self.global_batch,
+            "params_total": self.params_total,
+            "sharded_state_bytes": [g["sharded_state_bytes"] for g in gathered],
+            "peak_memory_bytes": [g["peak_memory_bytes"] for g in gathered],
+            "final_test_loss": self.last_eval.get("test_loss", math.nan),
+            "final_test_accuracy": self.last_eval.get("test_accuracy", math.nan),
+            "train_time_s": self.train_time_s,
+            "time_per_epoch_s": sum(self.epoch_times) / epochs_run if epochs_run else math.nan,
+            "samples_per_s": trained_samples / self.train_time_s if self.train_time_s else math.nan,
+            "steps": self.state.step,
+            "device": self.device.type,
+            "state": asdict(self.state),
+        }
+
+
+def _want_progress(setting: str) -> bool:
+    return setting == "on" or (setting == "auto" and sys.stderr.isatty())
+
+
+class _Progress:
+    """A one-line progress bar on stderr (rank 0, when attached to a terminal)."""
+
+    def __init__(self, enabled: bool, epoch: int, total: int):
+        self.enabled, self.epoch, self.total, self.done, self.last = enabled, epoch, total, 0, 0.0
+
+    def update(self, loss: torch.Tensor) -> None:
+        self.done += 1
+        if not self.enabled or (time.monotonic() - self.last < 0.2 and self.done < self.total):
+            return
+        self.last = time.monotonic()
+        width = 30
+        filled = int(width * self.done / max(self.total, 1))
+        bar = "#" * filled + "." * (width - filled)
+        sys.stderr.write(f"\rEpoch {self.epoch} [{bar}] {self.done}/{self.total} loss {float(loss):.4f}")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
