@@ -34,11 +34,15 @@ def preflight(cfg: TrainConfig, world_size: int) -> None:
 
     spec = get_spec(cfg.model)
     check_world_size(get_strategy(cfg.strategy), world_size)
-    dims = ParallelDims.resolve(world_size, cfg.dp_replicate, cfg.dp_shard, getattr(cfg, "tp", 1), getattr(cfg, "pp", 1))
+    dims = ParallelDims.resolve(world_size, cfg.dp_replicate, cfg.dp_shard, cfg.tp, cfg.pp)
     batch_sizes(cfg, dims.dp)
     if cfg.dataset not in ("auto",) and cfg.dataset not in spec.datasets:
-        raise UsageError(f"dataset {cfg.dataset!r} does not fit model {spec.name!r}; it takes: {', '.join(spec.datasets)}")
-    spec.build(cfg) if cfg.model == "gpt" else None  # size checks (e.g. heads divide width) on a tiny build
+        raise UsageError(
+            f"dataset {cfg.dataset!r} does not fit model {spec.name!r}; it takes: {', '.join(spec.datasets)}"
+        )
+    spec.build(
+        cfg
+    ) if cfg.model == "gpt" else None  # size checks (e.g. heads divide width) on a tiny build
 
 
 def train_on_rank(cfg: TrainConfig):
@@ -62,7 +66,9 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
             preflight(cfg, nproc)
             if nproc > 1:
                 return local_launcher.launch(nproc, argv)
-            launch = launch_env.LaunchEnv("standalone", 0, 1, 0, "127.0.0.1", local_launcher.free_port())
+            launch = launch_env.LaunchEnv(
+                "standalone", 0, 1, 0, "127.0.0.1", local_launcher.free_port()
+            )
         else:
             preflight(cfg, launch.world_size)
     except UsageError as e:
@@ -87,7 +93,8 @@ def cmd_data(args: argparse.Namespace, argv: list[str]) -> int:
 # ---------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="fsdp2lab", description="Train PyTorch models with FSDP2 on a DeviceMesh, from a laptop CPU to Slurm."
+        prog="fsdp2lab",
+        description="Train PyTorch models with FSDP2 on a DeviceMesh, from a laptop CPU to Slurm.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -102,7 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = sub.add_parser("data", help="dataset tools")
     data_sub = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
-    download = data_sub.add_parser("download", help="download a dataset (e.g. on a login node with internet)")
+    download = data_sub.add_parser(
+        "download", help="download a dataset (e.g. on a login node with internet)"
+    )
     download.add_argument("name", choices=["mnist", "fashion-mnist", "cifar10"])
     download.add_argument("--data-dir", default="./data")
     download.set_defaults(func=cmd_data)

@@ -35,21 +35,27 @@ def _opt(default: Any, help: str, **kw: Any) -> Any:
 class TrainConfig:
     # model
     model: str = _opt("cnn", "model name from the registry (cnn, mlp, mlp2, cifar-cnn, gpt)")
-    dropout: float | None = _opt(None, "override every dropout probability (0 for exact parity runs)")
+    dropout: float | None = _opt(
+        None, "override every dropout probability (0 for exact parity runs)"
+    )
     n_layers: int = _opt(4, "gpt: transformer blocks")
     d_model: int = _opt(128, "gpt: embedding width")
     n_heads: int = _opt(4, "gpt: attention heads")
     seq_len: int = _opt(64, "gpt: context length in tokens")
     vocab_size: int = _opt(256, "gpt: vocabulary size (256 = bytes)")
     # data
-    dataset: str = _opt("auto", "auto picks mnist, else fashion-mnist, else synthetic", choices=DATASETS)
+    dataset: str = _opt(
+        "auto", "auto picks mnist, else fashion-mnist, else synthetic", choices=DATASETS
+    )
     data_dir: str = _opt("./data", "where datasets are stored or downloaded")
     download: bool = _opt(True, "download a missing dataset (rank 0 only)")
     text_file: str | None = _opt(None, "dataset text: train the gpt on the bytes of this file")
     synthetic_size: int = _opt(8192, "synthetic: number of training samples (test set is 1/4)")
     num_workers: int = _opt(0, "data loader worker processes per rank")
     # batch and schedule
-    global_batch_size: int | None = _opt(None, "samples per optimizer step over all ranks (default 64)")
+    global_batch_size: int | None = _opt(
+        None, "samples per optimizer step over all ranks (default 64)"
+    )
     batch_size: int | None = _opt(None, "per-rank micro-batch (the seeds' --batch-size)")
     test_batch_size: int = _opt(1000, "per-rank evaluation batch")
     grad_accum_steps: int = _opt(1, "micro-batches per optimizer step; sync only on the last")
@@ -57,7 +63,9 @@ class TrainConfig:
     max_steps: int | None = _opt(None, "stop after this many optimizer steps (overrides --epochs)")
     # optimisation
     optimizer: str = _opt("adadelta", "optimizer", choices=OPTIMIZERS)
-    lr: float | None = _opt(None, "learning rate (default: 1.0 adadelta, 1e-3 adam/adamw, 0.01 sgd)")
+    lr: float | None = _opt(
+        None, "learning rate (default: 1.0 adadelta, 1e-3 adam/adamw, 0.01 sgd)"
+    )
     gamma: float = _opt(0.7, "StepLR decay per epoch (scheduler step)")
     scheduler: str = _opt("step", "LR schedule", choices=SCHEDULERS)
     warmup_steps: int = _opt(0, "linear warm-up steps (cosine)")
@@ -74,14 +82,39 @@ class TrainConfig:
     )
     mixed_precision: str = _opt("fp32", "parameter dtype in compute", choices=PRECISIONS)
     cpu_offload: bool = _opt(False, "keep sharded parameters, gradients and optimizer state on CPU")
-    prefetch: int = _opt(0, "explicit FSDP2 prefetch: all-gather N units ahead (0: FSDP2's default)")
+    prefetch: int = _opt(
+        0, "explicit FSDP2 prefetch: all-gather N units ahead (0: FSDP2's default)"
+    )
+    # tensor and pipeline parallelism
+    tp: int = _opt(1, "tensor-parallel degree (adds a tp mesh dimension)")
+    pp: int = _opt(1, "pipeline-parallel degree (adds a pp mesh dimension)")
+    pp_schedule: str = _opt("1f1b", "pipeline schedule", choices=("gpipe", "1f1b"))
+    pp_microbatches: int | None = _opt(None, "pipeline micro-batches per step (default: 2 x pp)")
+    # legacy FSDP1
+    fsdp1_min_params: int | None = _opt(
+        None, "fsdp1: size-based wrap policy threshold (default: one unit per layer)"
+    )
+    # checkpointing
+    ckpt_dir: str | None = _opt(
+        None, "folder of DCP checkpoints (DIR/step-N); none: no checkpoints"
+    )
+    ckpt_every_steps: int | None = _opt(None, "also checkpoint every N optimizer steps")
+    keep_last: int | None = _opt(None, "keep only the newest K complete checkpoints")
+    async_checkpoint: bool = _opt(False, "save with dcp.async_save while training goes on")
+    resume: str = _opt("auto", "auto (newest complete checkpoint in --ckpt-dir) | never | PATH")
     # launch and runtime
-    nproc_per_node: int | None = _opt(None, "standalone: local workers (default: GPUs, or 2 on CPU)")
-    device: str = _opt("auto", "auto (cuda if present) | cpu | cuda", choices=("auto", "cpu", "cuda"))
+    nproc_per_node: int | None = _opt(
+        None, "standalone: local workers (default: GPUs, or 2 on CPU)"
+    )
+    device: str = _opt(
+        "auto", "auto (cuda if present) | cpu | cuda", choices=("auto", "cpu", "cuda")
+    )
     # output
     metrics_file: str | None = _opt(None, "JSON-lines metrics written by rank 0")
     log_every_steps: int = _opt(10, "metrics-file step line every N optimizer steps")
-    progress: str = _opt("auto", "progress bar: auto (when a terminal) | on | off", choices=("auto", "on", "off"))
+    progress: str = _opt(
+        "auto", "progress bar: auto (when a terminal) | on | off", choices=("auto", "on", "off")
+    )
     save_model: str | None = _opt(
         None, "write a plain state dict at the end (default name <model>.pt; cnn: mnist_cnn.pt)"
     )
@@ -137,16 +170,27 @@ def _field_type(f: dataclasses.Field) -> type:
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """Add one flag per config field; every default is None so that unset flags can be told apart."""
-    parser.add_argument("--config", metavar="FILE.toml", help="TOML file of config keys (flags override it)")
+    parser.add_argument(
+        "--config", metavar="FILE.toml", help="TOML file of config keys (flags override it)"
+    )
     for name, f in _FIELDS.items():
         flag = "--" + name.replace("_", "-")
         kind = _field_type(f)
         extra = {k: v for k, v in f.metadata.items() if k in ("choices", "metavar")}
         help_text = f"{f.metadata['help']} (default: {f.default})"
         if name == "save_model":
-            parser.add_argument(flag, nargs="?", const=_SAVE_MODEL_DEFAULT, default=None, metavar="PATH", help=help_text)
+            parser.add_argument(
+                flag,
+                nargs="?",
+                const=_SAVE_MODEL_DEFAULT,
+                default=None,
+                metavar="PATH",
+                help=help_text,
+            )
         elif kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
         else:
             parser.add_argument(flag, type=kind, default=None, help=help_text, **extra)
 
@@ -199,8 +243,16 @@ def validate_basic(cfg: TrainConfig) -> None:
     for name in _FIELDS:
         choices = _FIELDS[name].metadata.get("choices")
         if choices and getattr(cfg, name) not in choices:
-            raise UsageError(f"--{name.replace('_', '-')} must be one of {', '.join(choices)}, not {getattr(cfg, name)!r}")
-    positive = ["grad_accum_steps", "epochs", "test_batch_size", "log_every_steps", "synthetic_size"]
+            raise UsageError(
+                f"--{name.replace('_', '-')} must be one of {', '.join(choices)}, not {getattr(cfg, name)!r}"
+            )
+    positive = [
+        "grad_accum_steps",
+        "epochs",
+        "test_batch_size",
+        "log_every_steps",
+        "synthetic_size",
+    ]
     positive += ["n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "dp_replicate"]
     for name in positive:
         if getattr(cfg, name) < 1:

@@ -14,7 +14,9 @@ from fsdp2lab.runtime.distributed import Runtime
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Gather the full (unsharded) state dict on CPU; a collective: call it on every rank."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
 
 
 def atomic_torch_save(obj, path: str | os.PathLike) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,8 @@ from fsdp2lab.errors import UsageError
 from fsdp2lab.models import ModelSpec
 
 DOWNLOAD_TIMEOUT_S = 30
+# torchdata's StatefulDataLoader calls a torch API that torch has since deprecated; not ours to fix.
+warnings.filterwarnings("ignore", message=".*set_vital.*is deprecated")
 
 
 @dataclass
@@ -32,7 +35,9 @@ def choose(cfg: TrainConfig, spec: ModelSpec) -> DataChoice:
     if cfg.dataset == "auto" and spec.task == "lm":
         name = "text" if cfg.text_file else "synthetic"
     if name not in spec.datasets:
-        raise UsageError(f"dataset {name!r} does not fit model {spec.name!r}; it takes: {', '.join(spec.datasets)}")
+        raise UsageError(
+            f"dataset {name!r} does not fit model {spec.name!r}; it takes: {', '.join(spec.datasets)}"
+        )
     if name == "synthetic":
         return DataChoice(name, None, "synthetic data generated from the seed (no download)")
     if name == "text":
@@ -48,8 +53,16 @@ def choose(cfg: TrainConfig, spec: ModelSpec) -> DataChoice:
     for fallback in [d for d in spec.datasets if d not in (name, "synthetic")]:
         folder = sources.locate(fallback, cfg.data_dir)
         if folder is not None:
-            return DataChoice(fallback, str(folder), f"{fallback} from {folder}, because {name} is not available ({why})")
-    return DataChoice("synthetic", None, f"synthetic data generated from the seed, because {name} is not available ({why})")
+            return DataChoice(
+                fallback,
+                str(folder),
+                f"{fallback} from {folder}, because {name} is not available ({why})",
+            )
+    return DataChoice(
+        "synthetic",
+        None,
+        f"synthetic data generated from the seed, because {name} is not available ({why})",
+    )
 
 
 def _ensure(name: str, cfg: TrainConfig):
@@ -76,15 +89,21 @@ def choose_on_rank0(cfg: TrainConfig, spec: ModelSpec) -> DataChoice:
     return box[0]
 
 
-def load(choice: DataChoice, cfg: TrainConfig, spec: ModelSpec) -> tuple[ArrayDataset, ArrayDataset]:
+def load(
+    choice: DataChoice, cfg: TrainConfig, spec: ModelSpec
+) -> tuple[ArrayDataset, ArrayDataset]:
     if choice.name == "synthetic":
         n_test = max(1, cfg.synthetic_size // 4)
         if spec.task == "lm":
-            return synthetic.tokens(cfg.vocab_size, cfg.seq_len, cfg.synthetic_size, n_test, cfg.seed)
+            return synthetic.tokens(
+                cfg.vocab_size, cfg.seq_len, cfg.synthetic_size, n_test, cfg.seed
+            )
         return synthetic.images(spec.input_shape, cfg.synthetic_size, n_test, cfg.seed)
     if choice.name == "text":
         if cfg.vocab_size < 256:
-            raise UsageError(f"--dataset text is byte-level: --vocab-size must be >= 256, got {cfg.vocab_size}")
+            raise UsageError(
+                f"--dataset text is byte-level: --vocab-size must be >= 256, got {cfg.vocab_size}"
+            )
         return text.byte_windows(choice.folder, cfg.seq_len)
     from pathlib import Path
 
@@ -111,7 +130,9 @@ def batch_sizes(cfg: TrainConfig, dp: int) -> tuple[int, int]:
     return global_batch, global_batch // (dp * k)
 
 
-def train_loader(dataset: ArrayDataset, sampler: DistributedBatchSampler, cfg: TrainConfig, device: torch.device):
+def train_loader(
+    dataset: ArrayDataset, sampler: DistributedBatchSampler, cfg: TrainConfig, device: torch.device
+):
     return StatefulDataLoader(
         dataset,
         batch_sampler=sampler,

@@ -25,7 +25,15 @@ def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
 class DistributedBatchSampler(Sampler[list[int]]):
     """Yields this rank's micro-batches of indices; stateful in global samples."""
 
-    def __init__(self, num_samples: int, global_batch: int, grad_accum: int, dp_size: int, dp_rank: int, seed: int):
+    def __init__(
+        self,
+        num_samples: int,
+        global_batch: int,
+        grad_accum: int,
+        dp_size: int,
+        dp_rank: int,
+        seed: int,
+    ):
         self.num_samples = num_samples
         self.global_batch = global_batch
         self.micro_global = global_batch // grad_accum
@@ -35,7 +43,9 @@ class DistributedBatchSampler(Sampler[list[int]]):
         self.steps_per_epoch = num_samples // global_batch
         self.grad_accum = grad_accum
         if self.steps_per_epoch == 0:
-            raise UsageError(f"the global batch ({global_batch}) is larger than the training set ({num_samples} samples)")
+            raise UsageError(
+                f"the global batch ({global_batch}) is larger than the training set ({num_samples} samples)"
+            )
         self.epoch = 0
         self.start_sample = 0  # global samples of this epoch already consumed when iteration starts
 
@@ -44,7 +54,9 @@ class DistributedBatchSampler(Sampler[list[int]]):
 
     def set_epoch(self, epoch: int, start_sample: int = 0) -> None:
         if start_sample % self.micro_global:
-            raise ValueError(f"position {start_sample} is not on a micro-batch boundary ({self.micro_global})")
+            raise ValueError(
+                f"position {start_sample} is not on a micro-batch boundary ({self.micro_global})"
+            )
         self.epoch, self.start_sample = epoch, start_sample
 
     def __iter__(self):
@@ -61,7 +73,9 @@ class DistributedBatchSampler(Sampler[list[int]]):
         self.set_epoch(state["epoch"], state["start_sample"])
 
 
-def eval_shards(num_samples: int, batch: int, dp_size: int, dp_rank: int) -> list[tuple[list[int], int]]:
+def eval_shards(
+    num_samples: int, batch: int, dp_size: int, dp_rank: int
+) -> list[tuple[list[int], int]]:
     """This rank's evaluation batches as (indices, number valid).
 
     Every rank runs the same number of batches (sharded models need all ranks in each forward); the

@@ -25,7 +25,14 @@ IDX_FILES = (
     "t10k-images-idx3-ubyte",
     "t10k-labels-idx1-ubyte",
 )
-CIFAR_FILES = ("data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5", "test_batch")
+CIFAR_FILES = (
+    "data_batch_1",
+    "data_batch_2",
+    "data_batch_3",
+    "data_batch_4",
+    "data_batch_5",
+    "test_batch",
+)
 
 
 @dataclass(frozen=True)
@@ -41,10 +48,19 @@ class Source:
 SOURCES = {
     "mnist": Source("mnist", "MNIST/raw", IDX_FILES, (0.1307,), (0.3081,)),
     "fashion-mnist": Source(
-        "fashion-mnist", "FashionMNIST/raw", IDX_FILES, (0.2860,), (0.3530,), (DEBIAN_FASHION_MNIST,)
+        "fashion-mnist",
+        "FashionMNIST/raw",
+        IDX_FILES,
+        (0.2860,),
+        (0.3530,),
+        (DEBIAN_FASHION_MNIST,),
     ),
     "cifar10": Source(
-        "cifar10", "cifar-10-batches-py", CIFAR_FILES, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+        "cifar10",
+        "cifar-10-batches-py",
+        CIFAR_FILES,
+        (0.4914, 0.4822, 0.4465),
+        (0.2470, 0.2435, 0.2616),
     ),
 }
 
@@ -66,16 +82,24 @@ def download(name: str, data_dir: str) -> Path:
     """Download with torchvision into ``data_dir``; raise UsageError if that is impossible."""
     from torchvision import datasets
 
-    cls = {"mnist": datasets.MNIST, "fashion-mnist": datasets.FashionMNIST, "cifar10": datasets.CIFAR10}[name]
+    cls = {
+        "mnist": datasets.MNIST,
+        "fashion-mnist": datasets.FashionMNIST,
+        "cifar10": datasets.CIFAR10,
+    }[name]
     try:
         for train in (True, False):
             cls(data_dir, train=train, download=True)
     except Exception as e:  # network errors come in many types; any of them means "not downloaded"
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise UsageError(missing_message(name, data_dir, f"the download failed ({reason})")) from None
+        raise UsageError(
+            missing_message(name, data_dir, f"the download failed ({reason})")
+        ) from None
     folder = locate(name, data_dir)
     if folder is None:
-        raise UsageError(missing_message(name, data_dir, "the download did not produce the expected files"))
+        raise UsageError(
+            missing_message(name, data_dir, "the download did not produce the expected files")
+        )
     return folder
 
 
@@ -96,7 +120,9 @@ def ensure(name: str, data_dir: str, allow_download: bool) -> Path:
     if folder is not None:
         return folder
     if not allow_download:
-        raise UsageError(missing_message(name, data_dir, "the files are missing and --no-download was given"))
+        raise UsageError(
+            missing_message(name, data_dir, "the files are missing and --no-download was given")
+        )
     return download(name, data_dir)
 
 
@@ -112,7 +138,9 @@ def read_idx(path: Path) -> torch.Tensor:
     shape = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
     array = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
     if array.size != int(np.prod(shape)):
-        raise UsageError(f"{target} is truncated: expected {int(np.prod(shape))} values, found {array.size}")
+        raise UsageError(
+            f"{target} is truncated: expected {int(np.prod(shape))} values, found {array.size}"
+        )
     return torch.from_numpy(array.copy()).view(*shape)
 
 
@@ -124,7 +152,10 @@ def load(name: str, folder: Path) -> tuple[ArrayDataset, ArrayDataset]:
 
         root = folder.parent
         sets = [CIFAR10(str(root), train=t, download=False) for t in (True, False)]
-        pairs = [(torch.from_numpy(s.data).permute(0, 3, 1, 2).contiguous(), torch.tensor(s.targets)) for s in sets]
+        pairs = [
+            (torch.from_numpy(s.data).permute(0, 3, 1, 2).contiguous(), torch.tensor(s.targets))
+            for s in sets
+        ]
     else:
         x_train, y_train, x_test, y_test = (read_idx(folder / f) for f in IDX_FILES)
         pairs = [(x_train.unsqueeze(1), y_train.long()), (x_test.unsqueeze(1), y_test.long())]

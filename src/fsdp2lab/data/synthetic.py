@@ -14,7 +14,14 @@ from fsdp2lab.data.arrays import ArrayDataset
 DATA_SEED_OFFSET = 1_000_003
 
 
-def images(shape: tuple[int, ...], n_train: int, n_test: int, seed: int, classes: int = 10, noise: float = 3.0):
+def images(
+    shape: tuple[int, ...],
+    n_train: int,
+    n_test: int,
+    seed: int,
+    classes: int = 10,
+    noise: float = 3.0,
+):
     g = torch.Generator().manual_seed(seed + DATA_SEED_OFFSET)
     prototypes = torch.randn((classes, *shape), generator=g)
 

@@ -19,7 +19,9 @@ def byte_windows(path: str, seq_len: int, test_fraction: float = 0.1):
     window = seq_len + 1
     n = len(data) // window
     if n < 2:
-        raise UsageError(f"--text-file {path} has {len(data)} bytes: need at least {2 * window} for --seq-len {seq_len}")
+        raise UsageError(
+            f"--text-file {path} has {len(data)} bytes: need at least {2 * window} for --seq-len {seq_len}"
+        )
     seq = data[: n * window].view(n, window)
     n_test = max(1, int(n * test_fraction))
     train, test = seq[:-n_test], seq[-n_test:]

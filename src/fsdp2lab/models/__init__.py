@@ -31,7 +31,9 @@ def _dropout(cfg: TrainConfig, default: float) -> float:
 
 def _gpt(cfg: TrainConfig) -> GPT:
     if cfg.d_model % cfg.n_heads:
-        raise UsageError(f"gpt: --d-model {cfg.d_model} is not divisible by --n-heads {cfg.n_heads}")
+        raise UsageError(
+            f"gpt: --d-model {cfg.d_model} is not divisible by --n-heads {cfg.n_heads}"
+        )
     return GPT(
         GPTConfig(
             vocab_size=cfg.vocab_size,
@@ -46,11 +48,23 @@ def _gpt(cfg: TrainConfig) -> GPT:
 
 _IMAGE_28 = ("mnist", "fashion-mnist", "synthetic")
 MODELS: dict[str, ModelSpec] = {
-    "cnn": ModelSpec("cnn", lambda c: Net(_dropout(c, 0.25), _dropout(c, 0.5)), "classify", (1, 28, 28), _IMAGE_28, "mnist"),
+    "cnn": ModelSpec(
+        "cnn",
+        lambda c: Net(_dropout(c, 0.25), _dropout(c, 0.5)),
+        "classify",
+        (1, 28, 28),
+        _IMAGE_28,
+        "mnist",
+    ),
     "mlp": ModelSpec("mlp", lambda c: SimpleNN(), "classify", (1, 28, 28), _IMAGE_28, "mnist"),
     "mlp2": ModelSpec("mlp2", lambda c: MLP2(), "classify", (1, 28, 28), _IMAGE_28, "mnist"),
     "cifar-cnn": ModelSpec(
-        "cifar-cnn", lambda c: CifarCNN(_dropout(c, 0.25)), "classify", (3, 32, 32), ("cifar10", "synthetic"), "cifar10"
+        "cifar-cnn",
+        lambda c: CifarCNN(_dropout(c, 0.25)),
+        "classify",
+        (3, 32, 32),
+        ("cifar10", "synthetic"),
+        "cifar10",
     ),
     "gpt": ModelSpec("gpt", _gpt, "lm", None, ("synthetic", "text"), "synthetic"),
 }

@@ -34,7 +34,9 @@ def _init_module(root: nn.Module, fqn: str, module: nn.Module) -> None:
     elif hasattr(module, "reset_parameters"):
         module.reset_parameters()
     else:
-        raise TypeError(f"module {fqn or '<root>'} ({type(module).__name__}) has parameters but no reset_parameters()")
+        raise TypeError(
+            f"module {fqn or '<root>'} ({type(module).__name__}) has parameters but no reset_parameters()"
+        )
 
 
 def _copy_into(target: torch.Tensor, full: torch.Tensor) -> None:
@@ -42,7 +44,9 @@ def _copy_into(target: torch.Tensor, full: torch.Tensor) -> None:
     with torch.no_grad():
         if isinstance(target, DTensor):
             src = full.to(device=target.device_mesh.device_type, dtype=target.dtype)
-            local = distribute_tensor(src, target.device_mesh, target.placements, src_data_rank=None).to_local()
+            local = distribute_tensor(
+                src, target.device_mesh, target.placements, src_data_rank=None
+            ).to_local()
             target.to_local().copy_(local)
         else:
             target.copy_(full.to(target.dtype))

@@ -38,6 +38,9 @@ class Strategy:
     # Mixed precision by torch.autocast (strategies that do not cast parameters themselves).
     autocast: bool = False
     max_world_size: int | None = None
+    # Wrappers that need real weights to wrap (FSDP1's flat parameters, DDP's broadcast) get the
+    # model materialised and initialised before ``parallelize``; the others after it (meta init).
+    materialize_first: bool = False
 
 
 def _fsdp2(model: nn.Module, ctx: ParallelContext) -> nn.Module:
@@ -75,7 +78,9 @@ STRATEGIES: dict[str, Strategy] = {
 
 def get_strategy(name: str) -> Strategy:
     if name not in STRATEGIES:
-        raise UsageError(f"strategy {name!r} is not available; choose one of: {', '.join(STRATEGIES)}")
+        raise UsageError(
+            f"strategy {name!r} is not available; choose one of: {', '.join(STRATEGIES)}"
+        )
     return STRATEGIES[name]
 
 

@@ -32,7 +32,9 @@ def pick_device(preference: str, local_rank: int) -> torch.device:
     if not torch.cuda.is_available():
         raise UsageError("--device cuda was asked for, but no CUDA device is available")
     if local_rank >= torch.cuda.device_count():
-        raise UsageError(f"local rank {local_rank} has no GPU: this node has {torch.cuda.device_count()}")
+        raise UsageError(
+            f"local rank {local_rank} has no GPU: this node has {torch.cuda.device_count()}"
+        )
     return torch.device("cuda", local_rank)
 
 
@@ -45,7 +47,9 @@ def init(launch: LaunchEnv, device_preference: str = "auto") -> Runtime:
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=float(os.environ.get("FSDP2LAB_PG_TIMEOUT_S", "600")))
     kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size, timeout=timeout, **kwargs)
+    dist.init_process_group(
+        backend, rank=launch.rank, world_size=launch.world_size, timeout=timeout, **kwargs
+    )
     return Runtime(launch.rank, launch.world_size, launch.local_rank, device, backend)
 
 

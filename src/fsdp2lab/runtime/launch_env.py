@@ -67,7 +67,9 @@ def detect(env: os._Environ | dict | None = None) -> LaunchEnv:
             master_addr=env.get("MASTER_ADDR") or expand_nodelist(nodelist)[0],
             master_port=int(port) if port else 20000 + job_id % 20000,
         )
-    return LaunchEnv("standalone", rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0)
+    return LaunchEnv(
+        "standalone", rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0
+    )
 
 
 def export(launch: LaunchEnv) -> None:

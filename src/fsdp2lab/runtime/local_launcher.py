@@ -26,6 +26,8 @@ def free_port() -> int:
 def launch(nproc: int, argv: list[str]) -> int:
     """Run ``python -m fsdp2lab *argv`` on ``nproc`` local ranks; return the job's exit code."""
     port = str(free_port())
+    # As torchrun does: without this, N ranks each start one thread per core and oversubscribe.
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc))
     procs: list[subprocess.Popen] = []
     for rank in range(nproc):
         env = dict(os.environ)
@@ -37,6 +39,7 @@ def launch(nproc: int, argv: list[str]) -> int:
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=port,
             FSDP2LAB_LAUNCHED_BY="fsdp2lab",
+            OMP_NUM_THREADS=threads,
         )
         procs.append(subprocess.Popen([sys.executable, "-m", "fsdp2lab", *argv], env=env))
 
@@ -45,7 +48,9 @@ def launch(nproc: int, argv: list[str]) -> int:
             if p.poll() is None:
                 p.send_signal(signum)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    previous = {
+        s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    }
     try:
         return _wait(procs)
     finally:

@@ -19,7 +19,9 @@ class ParallelDims:
     pp: int = 1
 
     @classmethod
-    def resolve(cls, world_size: int, dp_replicate: int, dp_shard: int, tp: int = 1, pp: int = 1) -> ParallelDims:
+    def resolve(
+        cls, world_size: int, dp_replicate: int, dp_shard: int, tp: int = 1, pp: int = 1
+    ) -> ParallelDims:
         """Fill in ``dp_shard = -1`` and check that the degrees multiply to the world size."""
         others = dp_replicate * tp * pp
         if dp_shard == -1:
@@ -43,7 +45,12 @@ class ParallelDims:
 
     def named_dims(self) -> list[tuple[str, int]]:
         """Mesh dimensions outer to inner; size-1 dimensions are left out, except dp_shard."""
-        dims = [("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp)]
+        dims = [
+            ("pp", self.pp),
+            ("dp_replicate", self.dp_replicate),
+            ("dp_shard", self.dp_shard),
+            ("tp", self.tp),
+        ]
         return [(n, s) for n, s in dims if s > 1 or n == "dp_shard"]
 
     def describe(self) -> str:
@@ -52,7 +59,9 @@ class ParallelDims:
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
     named = dims.named_dims()
-    return init_device_mesh(device_type, tuple(s for _, s in named), mesh_dim_names=tuple(n for n, _ in named))
+    return init_device_mesh(
+        device_type, tuple(s for _, s in named), mesh_dim_names=tuple(n for n, _ in named)
+    )
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:

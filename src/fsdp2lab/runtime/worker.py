@@ -18,12 +18,19 @@ from fsdp2lab.runtime import distributed
 from fsdp2lab.runtime.distributed import Runtime
 from fsdp2lab.runtime.launch_env import LaunchEnv
 
-_PEER_FAILURE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout")
+_PEER_FAILURE_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Socket Timeout",
+)
 
 
 def _is_peer_failure(error: BaseException) -> bool:
     text = str(error)
-    return isinstance(error, dist.DistError) or any(marker in text for marker in _PEER_FAILURE_MARKERS)
+    return isinstance(error, dist.DistError) or any(
+        marker in text for marker in _PEER_FAILURE_MARKERS
+    )
 
 
 def run_rank(launch: LaunchEnv, device: str, work: Callable[[Runtime], None]) -> int:
@@ -41,9 +48,18 @@ def run_rank(launch: LaunchEnv, device: str, work: Callable[[Runtime], None]) ->
     except Exception as e:
         if _is_peer_failure(e) and launch.world_size > 1:
             first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            print(f"[rank {launch.rank}] stopped: another rank failed ({first_line[:200]})", file=sys.stderr, flush=True)
+            print(
+                f"[rank {launch.rank}] stopped: another rank failed ({first_line[:200]})",
+                file=sys.stderr,
+                flush=True,
+            )
         else:
-            print(f"[rank {launch.rank}] failed:\n{traceback.format_exc()}", file=sys.stderr, end="", flush=True)
+            print(
+                f"[rank {launch.rank}] failed:\n{traceback.format_exc()}",
+                file=sys.stderr,
+                end="",
+                flush=True,
+            )
         return 1
     finally:
         distributed.destroy()

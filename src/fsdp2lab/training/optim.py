@@ -22,7 +22,9 @@ def build_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=wd)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int) -> tuple[LRScheduler, str]:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int
+) -> tuple[LRScheduler, str]:
     """The schedule and when it steps: ``"epoch"`` (StepLR, as in the seed) or ``"step"``."""
     if cfg.scheduler == "step":
         return StepLR(optimizer, step_size=1, gamma=cfg.gamma), "epoch"

@@ -15,7 +15,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 
 from fsdp2lab.config import TrainConfig
@@ -81,7 +80,7 @@ class Trainer:
 
         # Mesh: named data-parallel (and, where asked, tp/pp) dimensions.
         self.dims = ParallelDims.resolve(
-            runtime.world_size, cfg.dp_replicate, cfg.dp_shard, getattr(cfg, "tp", 1), getattr(cfg, "pp", 1)
+            runtime.world_size, cfg.dp_replicate, cfg.dp_shard, cfg.tp, cfg.pp
         )
         self.mesh = build_mesh(self.dims, self.device.type)
         self.dp_rank = dp_rank(self.dims, self.mesh)
@@ -91,7 +90,12 @@ class Trainer:
         self.data_choice = data_loader.choose_on_rank0(cfg, self.spec)
         self.train_set, self.test_set = data_loader.load(self.data_choice, cfg, self.spec)
         self.sampler = DistributedBatchSampler(
-            len(self.train_set), self.global_batch, cfg.grad_accum_steps, self.dims.dp, self.dp_rank, cfg.seed
+            len(self.train_set),
+            self.global_batch,
+            cfg.grad_accum_steps,
+            self.dims.dp,
+            self.dp_rank,
+            cfg.seed,
         )
         self.loader = data_loader.train_loader(self.train_set, self.sampler, cfg, self.device)
         self.total_steps = self._total_steps()
@@ -100,15 +104,22 @@ class Trainer:
         reference = build_on_meta(lambda: self.spec.build(cfg))
         model = build_on_meta(lambda: self.spec.build(cfg))
         ctx = ParallelContext(cfg, self.dims, self.mesh, self.device, layer_units(model))
-        self.model = self.strategy.parallelize(model, ctx)
         init_device = "cpu" if cfg.cpu_offload else self.device
-        self.model.to_empty(device=init_device)
-        init_weights(self.model, reference, cfg.seed)
+        if self.strategy.materialize_first:
+            model.to_empty(device=init_device)
+            init_weights(model, reference, cfg.seed)
+            self.model = self.strategy.parallelize(model, ctx)
+        else:
+            self.model = self.strategy.parallelize(model, ctx)
+            self.model.to_empty(device=init_device)
+            init_weights(self.model, reference, cfg.seed)
         self.params_total = sum(p.numel() for p in reference.parameters())
 
         self.optimizer = build_optimizer(self.model.parameters(), cfg)
         self.scheduler, self.scheduler_unit = build_scheduler(self.optimizer, cfg, self.total_steps)
-        self.scaler = torch.amp.GradScaler(self.device.type) if cfg.mixed_precision == "fp16" else None
+        self.scaler = (
+            torch.amp.GradScaler(self.device.type) if cfg.mixed_precision == "fp16" else None
+        )
         self.state = TrainState()
         self.metrics = m.MetricsWriter(cfg.metrics_file, runtime.is_main)
         # Dropout differs per rank (as it would on separate GPUs) but is reproducible.
@@ -125,7 +136,9 @@ class Trainer:
         return min(steps, self.cfg.max_steps) if self.cfg.max_steps else steps
 
     def describe(self) -> str:
-        mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh.mesh_dim_names, self.mesh.shape, strict=True))
+        mesh = " x ".join(
+            f"{n}={s}" for n, s in zip(self.mesh.mesh_dim_names, self.mesh.shape, strict=True)
+        )
         return (
             f"fsdp2lab: {self.cfg.strategy} on {self.runtime.world_size} rank(s) [{self.device.type}/"
             f"{self.runtime.backend}], mesh {mesh}, model {self.cfg.model} ({self.params_total:,} parameters), "
@@ -139,8 +152,12 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=DTYPES[self.cfg.mixed_precision])
         return contextlib.nullcontext()
 
-    def _loss(self, output: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        return F.cross_entropy(output.reshape(-1, output.shape[-1]).float(), target.reshape(-1), reduction=reduction)
+    def _loss(
+        self, output: torch.Tensor, target: torch.Tensor, reduction: str = "mean"
+    ) -> torch.Tensor:
+        return F.cross_entropy(
+            output.reshape(-1, output.shape[-1]).float(), target.reshape(-1), reduction=reduction
+        )
 
     def _to_device(self, batch):
         x, y = batch
@@ -179,7 +196,9 @@ class Trainer:
             self.scaler.unscale_(self.optimizer)
         log_step = (self.state.step + 1) % self.cfg.log_every_steps == 0
         if self.cfg.max_grad_norm is not None or log_step:
-            self.last_grad_norm = float(clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm))
+            self.last_grad_norm = float(
+                clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+            )
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -216,7 +235,9 @@ class Trainer:
         cfg, rt, st = self.cfg, self.runtime, self.state
         self.sampler.set_epoch(st.epoch, st.epoch_samples)
         batches = iter(self.loader)
-        steps_left = (len(self.train_set) // self.global_batch) - st.epoch_samples // self.global_batch
+        steps_left = (
+            len(self.train_set) // self.global_batch
+        ) - st.epoch_samples // self.global_batch
         progress = _Progress(rt.is_main and _want_progress(cfg.progress), st.epoch, steps_left)
         t0 = time.perf_counter()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -290,7 +311,9 @@ class Trainer:
         """Test loss and accuracy over the whole test set; loss, correct and count summed over ranks."""
         self.model.eval()
         loss_sum, correct, count = 0.0, 0.0, 0.0
-        for indices, valid in eval_shards(len(self.test_set), self.cfg.test_batch_size, self.dims.dp, self.dp_rank):
+        for indices, valid in eval_shards(
+            len(self.test_set), self.cfg.test_batch_size, self.dims.dp, self.dp_rank
+        ):
             x, y = self._to_device(self.test_set.__getitems__(indices))
             with self._autocast():
                 out = self.model(x)
@@ -298,7 +321,9 @@ class Trainer:
             loss_sum += float(self._loss(out, y, reduction="sum"))
             correct += float((out.argmax(dim=-1) == y).sum())
             count += y.numel()
-        loss_sum, correct, count = (v / self.replicas_per_dp_rank for v in self._all_reduce_sum([loss_sum, correct, count]))
+        loss_sum, correct, count = (
+            v / self.replicas_per_dp_rank for v in self._all_reduce_sum([loss_sum, correct, count])
+        )
         self.model.train()
         return {
             "test_loss": loss_sum / max(count, 1),
@@ -360,7 +385,9 @@ class _Progress:
         width = 30
         filled = int(width * self.done / max(self.total, 1))
         bar = "#" * filled + "." * (width - filled)
-        sys.stderr.write(f"\rEpoch {self.epoch} [{bar}] {self.done}/{self.total} loss {float(loss):.4f}")
+        sys.stderr.write(
+            f"\rEpoch {self.epoch} [{bar}] {self.done}/{self.total} loss {float(loss):.4f}"
+        )
         sys.stderr.flush()
 
     def close(self) -> None:

@@ -1,0 +1,105 @@
+"""Shared helpers: run the real ``fsdp2lab`` CLI in subprocesses (real gloo process groups on CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
+# Small, fast, exact: synthetic data, no dropout, fp32.
+TINY = ["--dataset", "synthetic", "--synthetic-size", "1024", "--progress", "off", "--dropout", "0"]
+GPT_TINY = [
+    "--model",
+    "gpt",
+    "--n-layers",
+    "2",
+    "--d-model",
+    "32",
+    "--n-heads",
+    "4",
+    "--seq-len",
+    "16",
+]
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    metrics: list[dict]
+
+    def events(self, kind: str) -> list[dict]:
+        return [r for r in self.metrics if r["event"] == kind]
+
+    @property
+    def step_losses(self) -> list[float]:
+        return [r["loss"] for r in self.events("step")]
+
+    @property
+    def summary(self) -> dict:
+        (summary,) = self.events("summary")
+        return summary
+
+
+def cli_env(extra: dict | None = None) -> dict:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))
+    }
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def run_cli(
+    args: list[str], *, cwd: Path | None = None, env: dict | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """``python -m fsdp2lab ARGS`` in a subprocess."""
+    return subprocess.run(
+        [sys.executable, "-m", "fsdp2lab", *args],
+        cwd=cwd,
+        env=cli_env(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def train(
+    tmp_path: Path,
+    *args: str,
+    name: str = "run",
+    env: dict | None = None,
+    check: bool = True,
+    timeout: float = 300,
+) -> Run:
+    """Run ``fsdp2lab train`` with a metrics file; fail the test with the output if it fails."""
+    metrics = tmp_path / f"{name}.jsonl"
+    metrics.unlink(missing_ok=True)
+    proc = run_cli(
+        ["train", *args, "--metrics-file", str(metrics)], cwd=tmp_path, env=env, timeout=timeout
+    )
+    if check and proc.returncode != 0:
+        pytest.fail(
+            f"fsdp2lab train {' '.join(args)} exited {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+        )
+    return Run(proc.returncode, proc.stdout, proc.stderr, read_metrics(metrics))
+
+
+def assert_close_lists(a: list[float], b: list[float], tol: float) -> None:
+    assert len(a) == len(b) and len(a) > 0, (len(a), len(b))
+    worst = max(abs(x - y) for x, y in zip(a, b, strict=True))
+    assert worst <= tol, f"max difference {worst:.3e} > {tol:.0e}\n{a}\n{b}"
