@@ -54,14 +54,43 @@ def apply_fsdp(
         mp_policy=mixed_precision_policy(precision),
         offload_policy=offload_policy(cpu_offload, device or torch.device("cpu")),
     )
-    for i, unit in enumerate(units):
+    import os
+    groups = unit_groups(units, os.environ.get("XP_UNITS", "layer"), int(os.environ.get("XP_MIN", "100000")))
+    for i, group in enumerate(groups):
         # The last unit's parameters are needed again at once by backward: keep them gathered.
-        last = i == len(units) - 1
-        fully_shard(unit, reshard_after_forward=False if last else reshard_after_forward, **kwargs)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+        last = i == len(groups) - 1
+        fully_shard(
+            group if len(group) > 1 else group[0],
+            reshard_after_forward=False if last else reshard_after_forward,
+            **kwargs,
+        )
+    root_reshard = None if (reshard_after_forward is True and os.environ.get("XP_ROOTNONE")) else reshard_after_forward
+    fully_shard(model, reshard_after_forward=root_reshard, **kwargs)
     if prefetch > 0:
-        set_prefetch(units, prefetch)
+        set_prefetch([g[0] for g in groups], prefetch)
     return model
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def unit_groups(units: list[nn.Module], policy: str, min_params: int) -> list[list[nn.Module]]:
+    import os
+    if policy == "layer":
+        return [[u] for u in units]
+    if policy == "root":
+        return []
+    if os.environ.get("XP_AUTO") == "big":
+        return [[u] for u in units if _numel(u) >= min_params]
+    groups, current, size = [], [], 0
+    for unit in units:
+        current.append(unit)
+        size += _numel(unit)
+        if size >= min_params:
+            groups.append(current)
+            current, size = [], 0
+    return groups
 
 
 def set_prefetch(units: list[nn.Module], depth: int) -> None:
@@ -80,3 +109,13 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     """Turn off reduce-scatter for gradient-accumulation micro-steps (on for the last one)."""
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled)
+
+
+def reshard_all(model: nn.Module) -> None:
+    """Free gathered parameters after a forward with no backward (evaluation).
+
+    Units with ``reshard_after_forward=False`` otherwise stay unsharded, holding full parameters.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

@@ -1,0 +1,48 @@
+"""Run under torchrun: build a Trainer from ``fsdp2lab train`` flags, train, and report per rank
+how its parameters are held (as JSON in $OUT_DIR/rank<N>.json) for tests/test_fsdp2.py."""
+
+import argparse
+import json
+import os
+import sys
+
+from torch.distributed.tensor import DTensor
+
+from fsdp2lab.config import add_train_arguments, config_from_args
+from fsdp2lab.runtime import distributed, launch_env
+from fsdp2lab.training.trainer import Trainer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    cfg = config_from_args(parser.parse_args(sys.argv[1:]))
+    runtime = distributed.init(launch_env.detect(), cfg.device)
+    try:
+        trainer = Trainer(cfg, runtime)
+        trainer.fit()
+        report = {
+            "params": {
+                name: {
+                    "dtensor": isinstance(p, DTensor),
+                    "placements": [
+                        f"{type(pl).__name__}({getattr(pl, 'dim', '')})" for pl in p.placements
+                    ]
+                    if isinstance(p, DTensor)
+                    else None,
+                    "mesh": list(p.device_mesh.mesh_dim_names) if isinstance(p, DTensor) else None,
+                    "dtype": str(p.dtype),
+                    "local_numel": (p.to_local() if isinstance(p, DTensor) else p).numel(),
+                    "numel": p.numel(),
+                }
+                for name, p in trainer.model.named_parameters()
+            }
+        }
+        with open(os.path.join(os.environ["OUT_DIR"], f"rank{runtime.rank}.json"), "w") as f:
+            json.dump(report, f)
+    finally:
+        distributed.destroy()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""FSDP2 and HSDP against single-process training, on real gloo process groups (CPU)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import GPT_TINY, TINY, assert_close_lists, cli_env, train
+
+PARITY = [
+    *TINY,
+    "--max-steps",
+    "20",
+    "--log-every-steps",
+    "1",
+    "--global-batch-size",
+    "32",
+    "--optimizer",
+    "adam",
+]
+MODELS = {"mlp": ["--model", "mlp"], "gpt": GPT_TINY}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Single-process runs: the reference every parallel run must match."""
+    out = tmp_path_factory.mktemp("reference")
+    return {
+        name: train(out, *flags, *PARITY, "--strategy", "single", name=name)
+        for name, flags in MODELS.items()
+    }
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize(
+    "mesh",
+    [["--nproc-per-node", "2"], ["--nproc-per-node", "4", "--dp-replicate", "2"]],
+    ids=["fsdp2x2", "hsdp2x2"],
+)
+def test_loss_per_step_matches_single_process(tmp_path, reference, model, mesh):
+    run = train(tmp_path, *MODELS[model], *PARITY, *mesh)
+    ref = reference[model]
+    assert len(run.step_losses) == 20
+    assert_close_lists(run.step_losses, ref.step_losses, 1e-5)
+    assert_close_lists(
+        [r["grad_norm"] for r in run.events("step")],
+        [r["grad_norm"] for r in ref.events("step")],
+        1e-5,
+    )
+    assert run.step_losses[-1] < run.step_losses[0]
+    # Each rank holds about 1/N of parameters + gradients + optimizer state.
+    world = run.summary["world_size"]
+    shard = (
+        run.summary["dp_shard_size"]
+        if "dp_shard_size" in run.summary
+        else run.summary["mesh"]["shape"][-1]
+    )
+    single_bytes = ref.summary["sharded_state_bytes"][0]
+    for rank_bytes in run.summary["sharded_state_bytes"]:
+        assert abs(rank_bytes - single_bytes / shard) <= 0.03 * single_bytes / shard, (
+            rank_bytes,
+            single_bytes,
+            shard,
+        )
+    assert (
+        len(run.summary["peak_memory_bytes"]) == world and min(run.summary["peak_memory_bytes"]) > 0
+    )
+    assert run.summary["mesh"]["names"] == (
+        ["dp_replicate", "dp_shard"] if world == 4 else ["dp_shard"]
+    )
+
+
+def test_initial_full_weights_identical_for_every_mesh(tmp_path):
+    """lr 0: the saved weights are the initial ones; they must not depend on strategy or mesh."""
+    frozen = [
+        *TINY,
+        "--model",
+        "mlp",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0",
+        "--momentum",
+        "0",
+        "--max-steps",
+        "1",
+    ]
+    layouts = {
+        "single": ["--strategy", "single"],
+        "fsdp2-2": ["--nproc-per-node", "2"],
+        "fsdp2-4": ["--nproc-per-node", "4"],
+        "hsdp-2x2": ["--nproc-per-node", "4", "--dp-replicate", "2"],
+    }
+    states = {}
+    for name, layout in layouts.items():
+        train(tmp_path, *frozen, *layout, "--save-model", str(tmp_path / f"{name}.pt"), name=name)
+        states[name] = torch.load(tmp_path / f"{name}.pt")
+    keys = set(states["single"])
+    assert keys == {
+        "fc.0.weight",
+        "fc.0.bias",
+        "fc.2.weight",
+        "fc.2.bias",
+        "fc.4.weight",
+        "fc.4.bias",
+    }
+    for name, state in states.items():
+        assert set(state) == keys, name
+        for key in keys:
+            assert torch.equal(state[key], states["single"][key]), (name, key)
+
+
+def _torchrun(tmp_path: Path, *flags: str) -> list[dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(Path(__file__).parent / "scripts" / "inspect_shards.py"), *flags]  # fmt: skip
+    proc = subprocess.run(
+        cmd, env=cli_env({"OUT_DIR": str(tmp_path)}), capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_every_parameter_is_a_dtensor_shard_and_bf16_keeps_fp32_shards(tmp_path):
+    reports = _torchrun(tmp_path, *GPT_TINY, *TINY, "--max-steps", "3", "--mixed-precision", "bf16")
+    for report in reports:
+        for name, p in report["params"].items():
+            assert p["dtensor"], name
+            assert p["placements"] == ["Shard(0)"] and p["mesh"] == ["dp_shard"], name
+            assert p["dtype"] == "torch.float32", name
+    for name, p in reports[0]["params"].items():
+        assert (
+            reports[0]["params"][name]["local_numel"] + reports[1]["params"][name]["local_numel"]
+            == p["numel"]
+        )
+
+
+def test_bf16_trains(tmp_path):
+    run = train(tmp_path, "--model", "mlp", *TINY, "--nproc-per-node", "2", "--mixed-precision", "bf16",
+                "--epochs", "2", "--optimizer", "adam", "--log-every-steps", "1")  # fmt: skip
+    losses = run.step_losses
+    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
+    assert run.summary["final_test_accuracy"] > 0.9
+
+
+def test_cpu_offload_matches_on_device_training(tmp_path):
+    flags = ["--model", "mlp", *PARITY, "--nproc-per-node", "2"]
+    offloaded = train(tmp_path, *flags, "--cpu-offload", name="offload")
+    plain = train(tmp_path, *flags, name="plain")
+    assert_close_lists(offloaded.step_losses, plain.step_losses, 1e-5)
+    assert offloaded.step_losses[-1] < offloaded.step_losses[0]
+
+
+def test_grad_accumulation_equals_larger_batch(tmp_path):
+    flags = [
+        "--model",
+        "mlp",
+        *TINY,
+        "--max-steps",
+        "12",
+        "--log-every-steps",
+        "1",
+        "--nproc-per-node",
+        "2",
+    ]
+    accumulated = train(
+        tmp_path, *flags, "--batch-size", "4", "--grad-accum-steps", "4", name="accum"
+    )
+    large = train(tmp_path, *flags, "--batch-size", "16", name="large")
+    assert accumulated.summary["global_batch_size"] == large.summary["global_batch_size"] == 32
+    assert_close_lists(accumulated.step_losses, large.step_losses, 1e-5)
+
+
+def test_clipped_gradient_norm_equals_single_process(tmp_path):
+    flags = [
+        *GPT_TINY,
+        *TINY,
+        "--max-steps",
+        "10",
+        "--log-every-steps",
+        "1",
+        "--max-grad-norm",
+        "0.05",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.5",
+    ]
+    sharded = train(tmp_path, *flags, "--nproc-per-node", "2", name="sharded")
+    single = train(tmp_path, *flags, "--strategy", "single", name="single")
+    norms = [r["grad_norm"] for r in sharded.events("step")]
+    assert min(norms) > 0.05  # clipping was active on every step
+    assert_close_lists(norms, [r["grad_norm"] for r in single.events("step")], 1e-5)
+    assert_close_lists(sharded.step_losses, single.step_losses, 1e-5)
+
+
+def test_prefetch_and_reshard_settings_do_not_change_results(tmp_path, reference):
+    run = train(
+        tmp_path,
+        *GPT_TINY,
+        *PARITY,
+        "--nproc-per-node",
+        "2",
+        "--prefetch",
+        "1",
+        "--reshard-after-forward",
+        "false",
+    )
+    assert_close_lists(run.step_losses, reference["gpt"].step_losses, 1e-5)
