@@ -16,6 +16,8 @@
 #                           always $FSDP2LAB_SLURM_DIR/slurm.conf
 #   FSDP2LAB_SLURM_CPUS     CPUs per node (default max(nproc, 2))
 #   FSDP2LAB_SLURM_TIMEOUT  seconds to wait for both nodes idle (default 60)
+#   FSDP2LAB_SLURM_CRED_EXPIRE  AuthInfo cred_expire (default 10): step
+#                           credential lifetime and the requeue restart delay
 #
 # Exit codes: 0 ok, 1 runtime failure, 2 prerequisites (not root, packages
 # missing and not installable, bad usage), 3 `status` when not running.
@@ -50,6 +52,15 @@ pid_alive() {
 ctld_pidfile() { echo "$DIR/slurmctld.pid"; }
 slurmd_pidfile() { echo "$DIR/$1/slurmd.pid"; }
 
+# all_running: slurmctld and every slurmd process alive.
+all_running() {
+  local n
+  pid_alive "$(ctld_pidfile)" slurmctld || return 1
+  for n in "${NODES[@]}"; do
+    pid_alive "$(slurmd_pidfile "$n")" slurmd || return 1
+  done
+}
+
 any_running() {
   local n
   pid_alive "$(ctld_pidfile)" slurmctld && return 0
@@ -59,33 +70,51 @@ any_running() {
   return 1
 }
 
-# stop_pid PIDFILE NAME: SIGTERM, wait up to 10 s, then SIGKILL.
-stop_pid() {
-  local pid i
-  pid_alive "$1" "$2" || { rm -f "$1"; return 0; }
-  pid=$(<"$1")
-  kill -TERM "$pid" 2>/dev/null || true
-  for ((i = 0; i < 50; i++)); do
-    [[ -d /proc/$pid ]] || break
-    sleep 0.2
-  done
-  if [[ -d /proc/$pid ]]; then
-    log "$2 (pid $pid) ignored SIGTERM; sending SIGKILL"
-    kill -KILL "$pid" 2>/dev/null || true
-  fi
-  rm -f "$1"
+any_alive() {
+  local pid
+  for pid in "$@"; do [[ -d /proc/$pid ]] && return 0; done
+  return 1
 }
 
-# Kill slurmstepd processes belonging to this cluster (they keep the node's
-# slurmd.log open) that survived their slurmd.
+# stop_pids NAME PIDFILE...: SIGTERM all, wait up to 15 s, then SIGKILL.
+stop_pids() {
+  local name=$1 f pid pids=() i
+  shift
+  for f in "$@"; do
+    pid_alive "$f" "$name" && pids+=("$(<"$f")")
+  done
+  ((${#pids[@]})) || { rm -f "$@"; return 0; }
+  kill -TERM "${pids[@]}" 2>/dev/null || true
+  for ((i = 0; i < 75; i++)); do
+    any_alive "${pids[@]}" || break
+    sleep 0.2
+  done
+  for pid in "${pids[@]}"; do
+    [[ -d /proc/$pid ]] || continue
+    log "$name (pid $pid) ignored SIGTERM; sending SIGKILL"
+    kill -KILL "$pid" 2>/dev/null || true
+  done
+  rm -f "$@"
+}
+
+# kill_tree PID: SIGKILL PID and all its descendants.
+kill_tree() {
+  local c
+  kill -STOP "$1" 2>/dev/null || true
+  for c in $(pgrep -P "$1" || true); do kill_tree "$c"; done
+  kill -KILL "$1" 2>/dev/null || true
+}
+
+# Kill slurmstepd processes of this cluster (they keep the node's slurmd.log
+# open) that survived their slurmd, together with the job processes under them.
 kill_stray_stepds() {
   local p f
   for p in /proc/[0-9]*; do
     [[ $(cat "$p/comm" 2>/dev/null) == slurmstepd ]] || continue
     for f in "$p"/fd/*; do
       if [[ $(readlink "$f" 2>/dev/null) == "$DIR"/* ]]; then
-        log "killing stray slurmstepd ${p#/proc/}"
-        kill -KILL "${p#/proc/}" 2>/dev/null || true
+        log "killing slurmstepd ${p#/proc/} ($(tr -d '\0' <"$p/cmdline" 2>/dev/null)) and its children"
+        kill_tree "${p#/proc/}"
         break
       fi
     done
@@ -109,6 +138,7 @@ ensure_packages() {
   local pkgs=("${!want[@]}")
   ((EUID == 0)) || fail "missing packages: ${pkgs[*]} (run as root to auto-install, or: apt-get install -y ${pkgs[*]})" 2
   command -v apt-get >/dev/null || fail "missing packages: ${pkgs[*]} and no apt-get to install them" 2
+  mkdir -p "$DIR"
   log "installing ${pkgs[*]} (log: $DIR/apt.log)"
   export DEBIAN_FRONTEND=noninteractive
   # Keep package postinst scripts from starting system-wide daemons.
@@ -118,10 +148,10 @@ ensure_packages() {
   fi
   local ok=0 lists
   lists=$(find /var/lib/apt/lists -maxdepth 1 -name '*_Packages*' -print -quit 2>/dev/null || true)
-  if [[ -n $lists ]] && apt-get install -y -q "${pkgs[@]}" >"$DIR/apt.log" 2>&1 9>&-; then
+  if [[ -n $lists ]] && apt-get install -y -q -o DPkg::Lock::Timeout=120 "${pkgs[@]}" >"$DIR/apt.log" 2>&1 9>&-; then
     ok=1
   elif apt-get update -q >>"$DIR/apt.log" 2>&1 9>&- &&
-    apt-get install -y -q "${pkgs[@]}" >>"$DIR/apt.log" 2>&1 9>&-; then
+    apt-get install -y -q -o DPkg::Lock::Timeout=120 "${pkgs[@]}" >>"$DIR/apt.log" 2>&1 9>&-; then
     ok=1
   fi
   ((made_policy)) && rm -f "$policy"
@@ -224,8 +254,8 @@ SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 # cred_expire also sets how long a requeued job waits before it may restart
-# (default 120 s).
-AuthInfo=cred_expire=10
+# (Slurm default 120 s).
+AuthInfo=cred_expire=${FSDP2LAB_SLURM_CRED_EXPIRE:-10}
 StateSaveLocation=$DIR/state
 SlurmctldPidFile=$DIR/slurmctld.pid
 SlurmctldLogFile=$DIR/slurmctld.log
@@ -318,13 +348,13 @@ print_env() { printf 'export SLURM_CONF=%q\n' "$CONF"; }
 # --- commands ----------------------------------------------------------------
 
 cmd_start() {
+  ensure_packages
   ((EUID == 0)) || fail "start must run as root (SlurmUser=root, munged, /etc/hosts)" 2
   mkdir -p "$DIR"
   exec 9>"$DIR/.lock"
   flock -w 120 9 || fail "timed out waiting for lock $DIR/.lock"
-  ensure_packages
   local t0=$SECONDS n
-  if pid_alive "$(ctld_pidfile)" slurmctld && nodes_up; then
+  if all_running && nodes_up; then
     log "already running ($CONF)"
     print_env
     return 0
@@ -348,29 +378,36 @@ cmd_start() {
 }
 
 cmd_stop() {
-  local purge=0 n ids i
+  local purge=0 n ids i slurmd_pids=()
+  for n in "${NODES[@]}"; do slurmd_pids+=("$(slurmd_pidfile "$n")"); done
   case ${1:-} in --purge) purge=1 ;; '') ;; *) fail "usage: $0 stop [--purge]" 2 ;; esac
   # .lock is created only by `start`: it marks the dir as ours.
   [[ -e $DIR/.lock ]] || { log "not running (no $DIR/.lock)"; return 0; }
+  if any_running || ((purge)); then
+    ((EUID == 0)) || fail "stop must run as root" 2
+  fi
   exec 9>"$DIR/.lock"
   flock -w 120 9 || fail "timed out waiting for lock $DIR/.lock"
   if any_running; then
-    ((EUID == 0)) || fail "stop must run as root" 2
-    # Cancel jobs first so slurmstepd children are not orphaned.
+    # Cancel jobs so their state is recorded as CANCELLED. Any scancel (even
+    # --signal=KILL) gives tasks SIGTERM and KillWait seconds before SIGKILL;
+    # don't wait for that: kill the remaining slurmstepds (slurmd would wait
+    # for them on shutdown).
     if pid_alive "$(ctld_pidfile)" slurmctld; then
       ids=$(squeue -h -o %i 2>/dev/null || true)
       if [[ -n $ids ]]; then
         log "cancelling jobs: $(echo "$ids" | tr '\n' ' ')"
         # shellcheck disable=SC2086  # word-split job ids on purpose
         scancel $ids 2>/dev/null || true
-        for ((i = 0; i < 60; i++)); do
+        for ((i = 0; i < 6; i++)); do
           [[ -z $(squeue -h -o %i 2>/dev/null) ]] && break
           sleep 0.5
         done
       fi
     fi
-    for n in "${NODES[@]}"; do stop_pid "$(slurmd_pidfile "$n")" slurmd; done
-    stop_pid "$(ctld_pidfile)" slurmctld
+    kill_stray_stepds
+    stop_pids slurmd "${slurmd_pids[@]}"
+    stop_pids slurmctld "$(ctld_pidfile)"
     kill_stray_stepds
     log "stopped"
   else
