@@ -234,13 +234,14 @@ pick_ports() {
 }
 
 write_conf() {
-  local host cpus mem n i ver
+  local host cpus mem n i ver first_id
   host=$(hostname -s 2>/dev/null || hostname)
   cpus=${FSDP2LAB_SLURM_CPUS:-$(nproc)}
   ((cpus >= 2)) || cpus=2 # each node must take --ntasks-per-node=2
   # Memory is not a consumable resource (CR_CPU); advertise half of RAM.
   mem=$(awk '/^MemTotal:/ { m = int($2 / 2048); print (m > 0 ? m : 1) }' /proc/meminfo)
   pick_ports
+  first_id=$(((PORTS[0] - PORT_BASE) * 1000 + 1))
   mkdir -p "$DIR/state" "${NODES[@]/#/$DIR/}"
   for n in "${NODES[@]}"; do mkdir -p "$DIR/$n/spool"; done
   {
@@ -280,6 +281,9 @@ SchedulerType=sched/backfill
 SchedulerParameters=bf_interval=5,sched_interval=5
 MpiDefault=none
 JobRequeue=1
+# Job ids (and so the default rendezvous ports, 20000 + id % 20000) differ between clusters
+# running at the same time: they start at 1 + 1000 x (port offset).
+FirstJobId=$first_id
 ReturnToService=2
 KillOnBadExit=1
 KillWait=10

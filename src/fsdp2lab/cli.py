@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from fsdp2lab.config import TrainConfig, add_train_arguments, config_from_args
@@ -29,20 +30,20 @@ def preflight(cfg: TrainConfig, world_size: int) -> None:
     """Checks of the flags against the world size, done before any worker starts."""
     from fsdp2lab.data.loader import batch_sizes
     from fsdp2lab.models import get_spec
-    from fsdp2lab.parallel.strategies import check_world_size, get_strategy
+    from fsdp2lab.models.materialize import build_on_meta
+    from fsdp2lab.parallel.strategies import check_world_size, get_strategy, validate
     from fsdp2lab.runtime.mesh import ParallelDims
 
     spec = get_spec(cfg.model)
     check_world_size(get_strategy(cfg.strategy), world_size)
+    validate(cfg, world_size)
     dims = ParallelDims.resolve(world_size, cfg.dp_replicate, cfg.dp_shard, cfg.tp, cfg.pp)
     batch_sizes(cfg, dims.dp)
     if cfg.dataset not in ("auto",) and cfg.dataset not in spec.datasets:
         raise UsageError(
             f"dataset {cfg.dataset!r} does not fit model {spec.name!r}; it takes: {', '.join(spec.datasets)}"
         )
-    spec.build(
-        cfg
-    ) if cfg.model == "gpt" else None  # size checks (e.g. heads divide width) on a tiny build
+    build_on_meta(lambda: spec.build(cfg))  # the model's own size checks, at no memory cost
 
 
 def train_on_rank(cfg: TrainConfig):
@@ -64,6 +65,11 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         if launch.mode == "standalone":
             nproc = cfg.nproc_per_node or default_nproc(cfg)
             preflight(cfg, nproc)
+            # Find or download the data once, before the workers start (they then find it on disk).
+            from fsdp2lab.data.loader import choose
+            from fsdp2lab.models import get_spec
+
+            choose(cfg, get_spec(cfg.model))
             if nproc > 1:
                 return local_launcher.launch(nproc, argv)
             launch = launch_env.LaunchEnv(
@@ -75,7 +81,16 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         if launch_env.detect().rank == 0:
             return _error(str(e))
         return USAGE_EXIT_CODE
-    return run_rank(launch, cfg.device, train_on_rank(cfg))
+    code = run_rank(launch, cfg.device, train_on_rank(cfg))
+    _exit_worker(code)
+
+
+def _exit_worker(code: int) -> None:
+    """End a rank without interpreter teardown: gloo's background threads can abort a normal exit
+    ("terminate called without an active exception") after the process group is destroyed."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # ---------------------------------------------------------------------------- data
@@ -123,7 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _extra_commands():
     """``register(subparsers)`` functions of the command groups that live with their features."""
-    return []
+    from fsdp2lab.bench import commands as bench_commands
+    from fsdp2lab.checkpoint import commands as checkpoint_commands
+
+    return [checkpoint_commands.register, bench_commands.register]
 
 
 def main(argv: list[str] | None = None) -> int:

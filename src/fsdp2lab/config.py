@@ -85,6 +85,15 @@ class TrainConfig:
     prefetch: int = _opt(
         0, "explicit FSDP2 prefetch: all-gather N units ahead (0: FSDP2's default)"
     )
+    fsdp_units: str = _opt(
+        "auto",
+        "FSDP2 units: auto (consecutive layer units grouped to >= --fsdp-unit-min-params "
+        "parameters) | layer (one fully_shard per layer unit) | root (the whole model as one)",
+        choices=("auto", "layer", "root"),
+    )
+    fsdp_unit_min_params: int = _opt(
+        1_000_000, "--fsdp-units auto: fewest parameters per unit (a smaller rest joins the last)"
+    )
     # tensor and pipeline parallelism
     tp: int = _opt(1, "tensor-parallel degree (adds a tp mesh dimension)")
     pp: int = _opt(1, "pipeline-parallel degree (adds a pp mesh dimension)")
@@ -254,10 +263,17 @@ def validate_basic(cfg: TrainConfig) -> None:
         "synthetic_size",
     ]
     positive += ["n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "dp_replicate"]
+    positive += ["fsdp_unit_min_params"]
     for name in positive:
         if getattr(cfg, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-    for name in ("global_batch_size", "batch_size", "max_steps", "nproc_per_node"):
+    for name in (
+        "global_batch_size",
+        "batch_size",
+        "max_steps",
+        "nproc_per_node",
+        "fsdp1_min_params",
+    ):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")

@@ -7,7 +7,6 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from fsdp2lab.config import TrainConfig
@@ -72,21 +71,6 @@ def _ensure(name: str, cfg: TrainConfig):
         return sources.ensure(name, cfg.data_dir, cfg.download)
     finally:
         socket.setdefaulttimeout(previous)
-
-
-def choose_on_rank0(cfg: TrainConfig, spec: ModelSpec) -> DataChoice:
-    """Rank 0 chooses (and downloads) while the others wait; every rank gets the same answer or error."""
-    box: list = [None]
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
-            box[0] = choose(cfg, spec)
-        except UsageError as e:
-            box[0] = e
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], UsageError):
-        raise box[0]
-    return box[0]
 
 
 def load(

@@ -56,25 +56,35 @@ def init_weights(model: nn.Module, reference: nn.Module, seed: int) -> None:
     """Initialise ``model`` (already ``to_empty``-ed, possibly sharded) from the meta ``reference``.
 
     ``reference`` is an unparallelised meta copy of the same architecture: its modules give the
-    full shapes and the init functions.
+    full shapes and the init functions. Modules ``model`` does not hold (another pipeline stage's)
+    are skipped; every tensor ``model`` does hold must be initialised.
     """
+    done: set[int] = set()
     for fqn, ref_module in reference.named_modules():
         own = dict(ref_module.named_parameters(recurse=False))
         own.update(dict(ref_module.named_buffers(recurse=False)))
-        if not own:
+        prefix = f"{fqn}." if fqn else ""
+        targets = {name: _lookup(model, prefix + name) for name in own}
+        if not own or all(t is None for t in targets.values()):
             continue
         ref_module.to_empty(device="cpu", recurse=False)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(module_seed(seed, fqn))
             _init_module(reference, fqn, ref_module)
-        prefix = f"{fqn}." if fqn else ""
-        for name, full in own.items():
-            full = getattr(ref_module, name)
-            _copy_into(_lookup(model, prefix + name), full)
+        for name, target in targets.items():
+            if target is None:
+                raise KeyError(f"{prefix + name} not found in the parallelised model")
+            _copy_into(target, getattr(ref_module, name))
+            done.add(id(target))
         ref_module.to(device="meta")
+    missed = [
+        n for n, t in [*model.named_parameters(), *model.named_buffers()] if id(t) not in done
+    ]
+    if missed:
+        raise KeyError(f"not initialised (no such module in the reference model): {missed}")
 
 
-def _lookup(model: nn.Module, name: str) -> torch.Tensor:
+def _lookup(model: nn.Module, name: str) -> torch.Tensor | None:
     """A parameter or buffer by its unwrapped name (wrappers such as DDP or PP stages add prefixes)."""
     try:
         return model.get_parameter(name)
@@ -87,4 +97,4 @@ def _lookup(model: nn.Module, name: str) -> torch.Tensor:
     for key, value in list(model.named_parameters()) + list(model.named_buffers()):
         if key.replace("_checkpoint_wrapped_module.", "").replace("module.", "", 1) == name:
             return value
-    raise KeyError(f"{name} not found in the parallelised model")
+    return None

@@ -43,19 +43,23 @@ def apply_fsdp(
     cpu_offload: bool = False,
     prefetch: int = 0,
     device: torch.device | None = None,
+    unit_policy: str = "auto",
+    unit_min_params: int = 1_000_000,
 ) -> nn.Module:
-    """Shard each unit, then the root (which takes the parameters no unit holds).
+    """Shard the units (grouped by ``unit_policy``), then the root, which takes the parameters
+    no unit holds. The root and the last unit keep their parameters gathered from forward to
+    backward, which needs them first.
 
     ``prefetch`` > 0 sets explicit prefetching: each unit's forward all-gathers the next
-    ``prefetch`` units, and its backward the previous ones.
+    ``prefetch`` units, and its backward the previous ones (on CPU, asynchronously, so that they
+    overlap compute).
     """
     kwargs = dict(
         mesh=dp_mesh,
         mp_policy=mixed_precision_policy(precision),
         offload_policy=offload_policy(cpu_offload, device or torch.device("cpu")),
     )
-    import os
-    groups = unit_groups(units, os.environ.get("XP_UNITS", "layer"), int(os.environ.get("XP_MIN", "100000")))
+    groups = unit_groups(units, unit_policy, unit_min_params)
     for i, group in enumerate(groups):
         # The last unit's parameters are needed again at once by backward: keep them gathered.
         last = i == len(groups) - 1
@@ -64,10 +68,18 @@ def apply_fsdp(
             reshard_after_forward=False if last else reshard_after_forward,
             **kwargs,
         )
-    root_reshard = None if (reshard_after_forward is True and os.environ.get("XP_ROOTNONE")) else reshard_after_forward
-    fully_shard(model, reshard_after_forward=root_reshard, **kwargs)
+    # None: FSDP2's own choice, which reshards no root after forward.
+    fully_shard(
+        model,
+        reshard_after_forward=None if reshard_after_forward is True else reshard_after_forward,
+        **kwargs,
+    )
     if prefetch > 0:
         set_prefetch([g[0] for g in groups], prefetch)
+        if dp_mesh.device_type == "cpu":
+            # Without CUDA streams an all-gather overlaps compute only if issued asynchronously
+            # (gloo runs it on its own thread) and waited for when the unit runs.
+            model._set_unshard_async_op(True)
     return model
 
 
@@ -76,20 +88,32 @@ def _numel(module: nn.Module) -> int:
 
 
 def unit_groups(units: list[nn.Module], policy: str, min_params: int) -> list[list[nn.Module]]:
-    import os
+    """The modules of each ``fully_shard`` call below the root.
+
+    ``layer``: one per layer unit. ``root``: none (the whole model is one unit). ``auto``:
+    consecutive units grouped until a group holds ``min_params`` parameters; a smaller remainder
+    joins the last group. Each group costs its collectives (an all-gather in forward, another in
+    backward if it reshards, a reduce-scatter), and its gathered parameters are the step's
+    transient memory: fewer, larger groups trade memory for fewer collectives.
+    """
     if policy == "layer":
         return [[u] for u in units]
     if policy == "root":
         return []
-    if os.environ.get("XP_AUTO") == "big":
-        return [[u] for u in units if _numel(u) >= min_params]
-    groups, current, size = [], [], 0
+    groups: list[list[nn.Module]] = []
+    current: list[nn.Module] = []
+    size = 0
     for unit in units:
         current.append(unit)
         size += _numel(unit)
         if size >= min_params:
             groups.append(current)
             current, size = [], 0
+    if current:
+        if groups:
+            groups[-1].extend(current)
+        else:
+            groups.append(current)
     return groups
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,3 +58,22 @@ def init(launch: LaunchEnv, device_preference: str = "auto") -> Runtime:
 def destroy() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def on_rank0(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on rank 0 while the others wait; every rank gets its result, or its UsageError.
+
+    For decisions that must be taken once (download a dataset, pick a checkpoint) and that every
+    rank must then act on identically, failures included.
+    """
+    box: list = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            box[0] = fn()
+        except UsageError as e:
+            box[0] = e
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], UsageError):
+        raise box[0]
+    return box[0]

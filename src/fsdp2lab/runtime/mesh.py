@@ -59,9 +59,16 @@ class ParallelDims:
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
     named = dims.named_dims()
-    return init_device_mesh(
+    mesh = init_device_mesh(
         device_type, tuple(s for _, s in named), mesh_dim_names=tuple(n for n, _ in named)
     )
+    # A 2D (FSDP + TP) gradient reduces over dp_shard and tp (norms, inf checks); DTensor does that
+    # in one collective, the same on every rank, only where the flattened mesh exists.
+    if dims.tp > 1:
+        mesh["dp_shard", "tp"]._flatten()
+        if dims.dp_replicate > 1:
+            mesh["dp_replicate", "dp_shard", "tp"]._flatten()
+    return mesh
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+from fsdp2lab.checkpoint.manager import CheckpointManager
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.runtime.distributed import Runtime
+from fsdp2lab.runtime.preemption import Preemption
 from fsdp2lab.training.trainer import Trainer, log0
 
 
 def run_training(cfg: TrainConfig, runtime: Runtime) -> dict:
     log0(runtime, "fsdp2lab: resolved config\n" + cfg.to_toml() + "\n")
-    trainer = Trainer(cfg, runtime)
+    checkpoints = CheckpointManager.from_config(cfg, runtime)  # None without checkpointing
+    preemption = Preemption(runtime, checkpoints)  # USR1/TERM: checkpoint, requeue, stop
+    hooks = [checkpoints] if checkpoints else []
+    trainer = Trainer(cfg, runtime, hooks=[*hooks, preemption])  # preemption after checkpoints
     summary = trainer.fit()
-    if cfg.save_model:
+    if checkpoints:
+        checkpoints.close()  # waits for a background save
+    if cfg.save_model and not preemption.stopped:  # a preempted run saves when it finishes
         from fsdp2lab.checkpoint.export import save_full_model
 
         save_full_model(trainer.model, cfg.save_model, runtime)

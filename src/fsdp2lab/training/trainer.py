@@ -22,12 +22,11 @@ from fsdp2lab.data import loader as data_loader
 from fsdp2lab.data.sampler import DistributedBatchSampler, eval_shards
 from fsdp2lab.models import get_spec, layer_units
 from fsdp2lab.models.materialize import build_on_meta, init_weights
-from fsdp2lab.parallel.fsdp2 import DTYPES
-from fsdp2lab.parallel.strategies import ParallelContext, check_world_size, get_strategy
-from fsdp2lab.runtime.distributed import Runtime
+from fsdp2lab.parallel.fsdp2 import DTYPES, reshard_all
+from fsdp2lab.parallel.strategies import ParallelContext, check_world_size, get_strategy, label
+from fsdp2lab.runtime.distributed import Runtime, on_rank0
 from fsdp2lab.runtime.mesh import ParallelDims, build_mesh, dp_rank
 from fsdp2lab.training import metrics as m
-from fsdp2lab.training.grad_norm import clip_grad_norm_
 from fsdp2lab.training.optim import build_optimizer, build_scheduler
 
 
@@ -45,6 +44,7 @@ class Hooks:
     """Extension points (checkpointing, preemption). Each is called on every rank."""
 
     def before_fit(self, trainer: Trainer) -> None: ...
+    def epoch_started(self, trainer: Trainer) -> None: ...  # data iterator made, no step yet
     def after_step(self, trainer: Trainer) -> None: ...
     def after_epoch(self, trainer: Trainer) -> None: ...
     def after_fit(self, trainer: Trainer) -> None: ...
@@ -87,7 +87,7 @@ class Trainer:
         self.global_batch, self.micro_batch = data_loader.batch_sizes(cfg, self.dims.dp)
 
         # Data: rank 0 resolves/downloads, everyone loads.
-        self.data_choice = data_loader.choose_on_rank0(cfg, self.spec)
+        self.data_choice = on_rank0(lambda: data_loader.choose(cfg, self.spec))
         self.train_set, self.test_set = data_loader.load(self.data_choice, cfg, self.spec)
         self.sampler = DistributedBatchSampler(
             len(self.train_set),
@@ -113,6 +113,8 @@ class Trainer:
             self.model = self.strategy.parallelize(model, ctx)
             self.model.to_empty(device=init_device)
             init_weights(self.model, reference, cfg.seed)
+        # With --pp, self.model is this rank's stage, and the pipeline runs forward and backward.
+        self.pipeline = ctx.pipeline
         self.params_total = sum(p.numel() for p in reference.parameters())
 
         self.optimizer = build_optimizer(self.model.parameters(), cfg)
@@ -184,12 +186,18 @@ class Trainer:
         samples = 0
         for micro in range(k):
             x, y = self._to_device(next(batches))
-            with self.strategy.sync_context(self.model, micro == k - 1), self._autocast():
-                loss = self._loss(self.model(x), y) / k
-                if self.scaler is not None:
-                    self.scaler.scale(loss).backward()
-                else:
-                    loss.backward()
+            if self.pipeline is not None:
+                # The schedule runs forward and backward over pipeline micro-batches.
+                loss = self.pipeline.train_step(
+                    x, y, lambda out, target: self._loss(out, target) / k, finalize=micro == k - 1
+                )
+            else:
+                with self.strategy.sync_context(self.model, micro == k - 1), self._autocast():
+                    loss = self._loss(self.model(x), y) / k
+                    if self.scaler is not None:
+                        self.scaler.scale(loss).backward()
+                    else:
+                        loss.backward()
             loss_sum += loss.detach()
             samples += len(x)
         if self.scaler is not None:
@@ -197,7 +205,7 @@ class Trainer:
         log_step = (self.state.step + 1) % self.cfg.log_every_steps == 0
         if self.cfg.max_grad_norm is not None or log_step:
             self.last_grad_norm = float(
-                clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+                self.strategy.clip_grad_norm(self.model, self.cfg.max_grad_norm)
             )
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
@@ -235,6 +243,8 @@ class Trainer:
         cfg, rt, st = self.cfg, self.runtime, self.state
         self.sampler.set_epoch(st.epoch, st.epoch_samples)
         batches = iter(self.loader)
+        for hook in self.hooks:
+            hook.epoch_started(self)
         steps_left = (
             len(self.train_set) // self.global_batch
         ) - st.epoch_samples // self.global_batch
@@ -283,10 +293,10 @@ class Trainer:
             epoch_time_s=epoch_time,
             samples_per_s=samples_per_s,
         )
-        if self.scheduler_unit == "epoch":
-            self.scheduler.step()
         epoch_complete = st.epoch_samples + self.global_batch > len(self.train_set)
         if epoch_complete:
+            if self.scheduler_unit == "epoch":  # not after an epoch cut short by --max-steps
+                self.scheduler.step()
             st.epoch += 1
             st.epoch_samples = 0
         for hook in self.hooks:
@@ -316,14 +326,20 @@ class Trainer:
         ):
             x, y = self._to_device(self.test_set.__getitems__(indices))
             with self._autocast():
-                out = self.model(x)
+                out = self.model(x) if self.pipeline is None else self.pipeline.forward(x)
+            if out is None:  # a pipeline stage before the last one
+                continue
             out, y = out[:valid], y[:valid]
             loss_sum += float(self._loss(out, y, reduction="sum"))
             correct += float((out.argmax(dim=-1) == y).sum())
             count += y.numel()
+        sums = [loss_sum, correct, count]
+        if self.pipeline is not None:
+            sums = self.pipeline.from_last_stage(sums)
         loss_sum, correct, count = (
-            v / self.replicas_per_dp_rank for v in self._all_reduce_sum([loss_sum, correct, count])
+            v / self.replicas_per_dp_rank for v in self._all_reduce_sum(sums)
         )
+        reshard_all(self.model)
         self.model.train()
         return {
             "test_loss": loss_sum / max(count, 1),
@@ -347,6 +363,7 @@ class Trainer:
         trained_samples = self.state.samples_seen
         return {
             "strategy": self.cfg.strategy,
+            "label": label(self.cfg, self.dims),
             "world_size": self.runtime.world_size,
             "mesh": {"shape": list(self.mesh.shape), "names": list(self.mesh.mesh_dim_names)},
             "model": self.cfg.model,

@@ -1,0 +1,190 @@
+"""Run a planned sweep: each run is its own ``fsdp2lab train`` job, in its own folder.
+
+``RESULTS/<run>/`` holds ``config.toml`` (the run's train keys), ``command.txt``, ``stdout.log``,
+``stderr.log``, ``metrics.jsonl`` and ``status.json`` (ok or failed, exit code, wall time). A run
+that fails or times out is recorded as failed and the sweep goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from fsdp2lab.bench.sweep import RunSpec, to_toml
+from fsdp2lab.errors import UsageError
+from fsdp2lab.runtime.local_launcher import free_port
+
+# A launcher's rank variables must not leak into the runs it starts.
+_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_GRACE_S = 10.0
+
+
+def pick_launcher(choice: str) -> str:
+    """``auto``: ``srun`` inside a Slurm allocation (SLURM_JOB_ID set), else local workers."""
+    in_allocation = "SLURM_JOB_ID" in os.environ
+    if choice == "auto":
+        return "srun" if in_allocation and shutil.which("srun") else "local"
+    if choice == "srun" and not (in_allocation and shutil.which("srun")):
+        raise UsageError("--launcher srun needs a Slurm allocation (salloc/sbatch) and srun")
+    return choice
+
+
+def command(run: RunSpec, folder: Path, launcher: str, srun_args: str = "") -> list[str]:
+    train = [
+        sys.executable,
+        "-m",
+        "fsdp2lab",
+        "train",
+        "--config",
+        str(folder / "config.toml"),
+        "--metrics-file",
+        str(folder / "metrics.jsonl"),
+    ]
+    if launcher == "srun":
+        srun = ["srun", f"--ntasks={run.world_size}", "--kill-on-bad-exit=1"]
+        return [*srun, *shlex.split(srun_args), *train]
+    return [*train, "--nproc-per-node", str(run.world_size)]
+
+
+def _env(launcher: str, threads_per_rank: int | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _RANK_VARS}
+    env["PYTHONUNBUFFERED"] = "1"
+    if threads_per_rank:
+        env["OMP_NUM_THREADS"] = str(threads_per_rank)
+    if launcher == "srun":
+        env["FSDP2LAB_MASTER_PORT"] = str(free_port())
+    return env
+
+
+class Interrupted(Exception):
+    """The sweep was stopped (SIGINT or SIGTERM): the running job was ended."""
+
+
+def _interrupt(signum, _frame):
+    raise Interrupted(signal.Signals(signum).name)
+
+
+def _run_job(cmd: list[str], folder: Path, env: dict, timeout_s: float | None) -> int | str:
+    """Exit code of the job, or ``"timeout"``; the job's whole process group is ended.
+
+    The job runs in a session of its own, so that its workers can be ended together; a signal
+    that stops the sweep ends the job too.
+    """
+    with open(folder / "stdout.log", "w") as out, open(folder / "stderr.log", "w") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _end_group(proc)
+            return "timeout"
+        except BaseException:
+            _end_group(proc)
+            raise
+
+
+def _end_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the job's process group (its workers too), SIGKILL after a grace period."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=_GRACE_S)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _last_error(folder: Path) -> str:
+    lines = [ln for ln in (folder / "stderr.log").read_text(errors="replace").splitlines() if ln]
+    errors = [ln for ln in lines if "error" in ln.lower() or "failed" in ln.lower()]
+    return (errors or lines or [""])[-1][:300]
+
+
+def device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+def run_sweep(
+    runs: list[RunSpec],
+    out: Path,
+    *,
+    launcher: str,
+    timeout_s: float | None = None,
+    srun_args: str = "",
+    resume: bool = False,
+    threads_per_rank: int | None = None,
+) -> list[dict]:
+    """Run every planned run in turn; print one progress line each; return their statuses."""
+    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _run_all(runs, out, launcher, timeout_s, srun_args, resume, threads_per_rank)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _run_all(runs, out, launcher, timeout_s, srun_args, resume, threads_per_rank) -> list[dict]:
+    from fsdp2lab.bench.results import read_metrics, step_time
+
+    statuses = []
+    device = device_name()
+    width = len(str(len(runs)))
+    started = time.monotonic()
+    for i, run in enumerate(runs, 1):
+        folder = out / run.run_id
+        prefix = f"[{i:>{width}}/{len(runs)}] {run.run_id}"
+        status_file = folder / "status.json"
+        if resume and status_file.exists() and json.loads(status_file.read_text())["ok"]:
+            print(f"{prefix}: done before, kept", flush=True)
+            statuses.append(json.loads(status_file.read_text()))
+            continue
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True)
+        (folder / "config.toml").write_text(to_toml(run.values))
+        cmd = command(run, folder, launcher, srun_args)
+        (folder / "command.txt").write_text(shlex.join(cmd) + "\n")
+        print(f"{prefix} ...", end="", flush=True)
+        t0 = time.monotonic()
+        try:
+            code = _run_job(cmd, folder, _env(launcher, threads_per_rank), timeout_s)
+        except Interrupted as stop:
+            print(f" stopped by {stop}", flush=True)
+            raise
+        wall = time.monotonic() - t0
+        records = read_metrics(folder / "metrics.jsonl")
+        ok = code == 0 and any(r["event"] == "summary" for r in records)
+        status = {
+            **asdict(run),
+            "ok": ok,
+            "returncode": code,
+            "wall_s": round(wall, 3),
+            "launcher": launcher,
+            "device_name": device,
+            "error": None if ok else (_last_error(folder) or f"exit code {code}, no summary"),
+        }
+        status_file.write_text(json.dumps(status, indent=1) + "\n")
+        statuses.append(status)
+        elapsed = time.monotonic() - started
+        left = elapsed / i * (len(runs) - i)
+        if ok:
+            step = step_time(records)
+            note = (
+                f"ok in {wall:.1f} s, {step * 1000:.1f} ms/step" if step else f"ok in {wall:.1f} s"
+            )
+        else:
+            note = f"FAILED ({'timed out' if code == 'timeout' else f'exit {code}'}): {status['error']}"
+        print(f" {note}  [{elapsed:.0f} s elapsed, about {left:.0f} s left]", flush=True)
+    return statuses

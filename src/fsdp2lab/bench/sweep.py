@@ -1,0 +1,264 @@
+"""A benchmark sweep: strategies x world sizes x models x precisions x reshard settings x repeats.
+
+A sweep file (TOML) names the axes, the ``train`` keys every run shares, keys per model, and
+variants (named sets of train keys, e.g. FSDP2 with another unit policy)::
+
+    [sweep]
+    strategies = ["ddp", "fsdp1", "fsdp2", "hsdp"]   # built-in or [variants.NAME]
+    world_sizes = [1, 2, 4]
+    models = ["cnn", "gpt"]
+    precisions = ["fp32"]          # default ["fp32"]
+    reshard = ["true"]             # --reshard-after-forward values, default ["true"]
+    repeat = 1                     # runs of each combination (for the spread)
+
+    [train]                        # any ``fsdp2lab train`` key, for every run
+    dataset = "synthetic"
+    max_steps = 50
+
+    [models.gpt]                   # keys for one model only
+    d_model = 256
+
+    [variants.fsdp2-auto]          # a strategy of its own in plots and tables
+    strategy = "fsdp2"
+    fsdp_units = "auto"
+
+Built-in strategies: single, ddp, fsdp1, fsdp2, and hsdp (fsdp2 with ``dp_replicate = 2``).
+Combinations that cannot run (single on 2 ranks, hsdp on 1) are left out and listed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fsdp2lab.config import PRECISIONS, TrainConfig, load_toml, validate_basic
+from fsdp2lab.errors import UsageError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+BUILTIN_VARIANTS: dict[str, dict[str, Any]] = {
+    "single": {"strategy": "single"},
+    "ddp": {"strategy": "ddp"},
+    "fsdp1": {"strategy": "fsdp1"},
+    "fsdp2": {"strategy": "fsdp2"},
+    "hsdp": {"strategy": "fsdp2", "dp_replicate": 2},
+}
+# Keys the sweep sets itself for every run.
+_SWEEP_OWNED = ("model", "mixed_precision", "reshard_after_forward", "nproc_per_node")
+_RUN_DEFAULTS = {"progress": "off", "log_every_steps": 5}
+_AXES = {
+    "strategies": str,
+    "world_sizes": int,
+    "models": str,
+    "precisions": str,
+    "reshard": str,
+}
+
+
+@dataclass
+class Sweep:
+    strategies: list[str] = field(default_factory=lambda: ["ddp", "fsdp1", "fsdp2"])
+    world_sizes: list[int] = field(default_factory=lambda: [1, 2])
+    models: list[str] = field(default_factory=lambda: ["cnn"])
+    precisions: list[str] = field(default_factory=lambda: ["fp32"])
+    reshard: list[str] = field(default_factory=lambda: ["true"])
+    repeat: int = 1
+    train: dict[str, Any] = field(default_factory=dict)
+    model_keys: dict[str, dict[str, Any]] = field(default_factory=dict)
+    variants: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run of the sweep: its folder name and the train keys it is launched with."""
+
+    run_id: str
+    strategy: str  # the variant name: a line in the plots
+    world_size: int
+    model: str
+    precision: str
+    reshard: str
+    repeat: int
+    values: dict[str, Any]
+
+
+def _where(path: str | None, section: str) -> str:
+    return f"sweep file {path}: [{section}]" if path else f"bench: {section}"
+
+
+def _check_list(value: Any, kind: type, where: str, key: str) -> list:
+    if not isinstance(value, list) or not value:
+        raise UsageError(f"{where} {key} must be a non-empty list, got {value!r}")
+    for item in value:
+        if not isinstance(item, kind) or isinstance(item, bool):
+            raise UsageError(f"{where} {key} must hold {kind.__name__} values, got {item!r}")
+    return list(value)
+
+
+def check_train_keys(values: dict[str, Any], where: str) -> dict[str, Any]:
+    """Validate ``fsdp2lab train`` keys exactly as a ``--config`` file's are."""
+    if not values:
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "keys.toml"
+        path.write_text(to_toml(values))
+        try:
+            checked = load_toml(str(path))
+        except UsageError as e:
+            raise UsageError(str(e).replace(f"config file {path}", where)) from None
+    for key in _SWEEP_OWNED:
+        if key in checked:
+            raise UsageError(f"{where}: {key} is set by the sweep's axes; remove it")
+    return checked
+
+
+def to_toml(values: dict[str, Any]) -> str:
+    """Flat ``key = value`` TOML of scalars (what ``load_toml`` reads back)."""
+    lines = []
+    for key, value in values.items():
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, (int, float)):
+            text = repr(value)
+        elif isinstance(value, str):
+            text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        else:
+            raise UsageError(f"{key} must be a string, number or boolean, got {value!r}")
+        lines.append(f"{key} = {text}")
+    return "\n".join(lines) + "\n"
+
+
+def load_sweep(path: str | None) -> Sweep:
+    """Read a sweep file (or the defaults when ``path`` is None); any mistake is a UsageError."""
+    sweep = Sweep()
+    if path is None:
+        return sweep
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"sweep file not found: {path}")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise UsageError(f"sweep file {path} is not valid TOML: {e}") from None
+    known = {"sweep", "train", "models", "variants"}
+    for key in data:
+        if key not in known:
+            raise UsageError(
+                f"sweep file {path}: unknown table [{key}] (known: {', '.join(sorted(known))})"
+            )
+    axes = data.get("sweep", {})
+    for key, value in axes.items():
+        if key == "repeat":
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UsageError(
+                    f"{_where(path, 'sweep')} repeat must be an integer >= 1, got {value!r}"
+                )
+            sweep.repeat = value
+        elif key in _AXES:
+            setattr(sweep, key, _check_list(value, _AXES[key], _where(path, "sweep"), key))
+        else:
+            raise UsageError(
+                f"{_where(path, 'sweep')} unknown key {key!r} "
+                f"(known: {', '.join([*_AXES, 'repeat'])})"
+            )
+    sweep.train = check_train_keys(data.get("train", {}), _where(path, "train"))
+    for section in ("models", "variants"):
+        table = data.get(section, {})
+        for name, values in table.items():
+            if not isinstance(values, dict):
+                raise UsageError(f"sweep file {path}: [{section}.{name}] must be a table")
+            where = _where(path, f"{section}.{name}")
+            if section == "variants":
+                values = {"strategy": "fsdp2", **values}
+            getattr(sweep, "model_keys" if section == "models" else "variants")[name] = (
+                check_train_keys(values, where)
+            )
+    return sweep
+
+
+def override(sweep: Sweep, **axes: Any) -> Sweep:
+    """Apply axes given as flags (None: keep the file's)."""
+    changes = {k: v for k, v in axes.items() if v is not None}
+    return dataclasses.replace(sweep, **changes)
+
+
+def validate(sweep: Sweep) -> None:
+    from fsdp2lab.models import MODELS
+
+    variants = {**BUILTIN_VARIANTS, **sweep.variants}
+    for name in sweep.strategies:
+        if name not in variants:
+            raise UsageError(
+                f"bench: unknown strategy {name!r}; choose built-in ones "
+                f"({', '.join(BUILTIN_VARIANTS)}) or define [variants.{name}] in the sweep file"
+            )
+    for model in [*sweep.models, *sweep.model_keys]:
+        if model not in MODELS:
+            raise UsageError(f"bench: unknown model {model!r}; choose from {', '.join(MODELS)}")
+    for p in sweep.precisions:
+        if p not in PRECISIONS:
+            raise UsageError(f"bench: unknown precision {p!r}; choose from {', '.join(PRECISIONS)}")
+    for ws in sweep.world_sizes:
+        if ws < 1:
+            raise UsageError(f"bench: world sizes must be >= 1, got {ws}")
+    for r in sweep.reshard:
+        TrainConfig(reshard_after_forward=r).reshard_value()
+
+
+def plan(sweep: Sweep) -> tuple[list[RunSpec], list[str]]:
+    """Every runnable combination (in a stable order), and why the others were left out."""
+    from fsdp2lab.cli import preflight
+
+    validate(sweep)
+    variants = {**BUILTIN_VARIANTS, **sweep.variants}
+    combos: list[tuple[str, dict[str, Any], tuple]] = []
+    skipped: list[str] = []
+    for model in sweep.models:
+        for precision in sweep.precisions:
+            for reshard in sweep.reshard:
+                for name in sweep.strategies:
+                    for ws in sweep.world_sizes:
+                        values = {
+                            **_RUN_DEFAULTS,
+                            **sweep.train,
+                            **sweep.model_keys.get(model, {}),
+                            **variants[name],
+                            "model": model,
+                            "mixed_precision": precision,
+                            "reshard_after_forward": reshard,
+                        }
+                        base = f"{model}-{name}-ws{ws}-{precision}" + (
+                            f"-reshard{reshard}" if len(sweep.reshard) > 1 else ""
+                        )
+                        reason = _why_not(values, ws, preflight)
+                        if reason:
+                            skipped.append(f"{base}: {reason}")
+                        else:
+                            combos.append((base, values, (name, ws, model, precision, reshard)))
+    # Repeats outermost: load that comes and goes on a shared machine falls on every combination.
+    runs = [
+        RunSpec(base + (f"-r{rep}" if sweep.repeat > 1 else ""), *axes, rep, values)
+        for rep in range(1, sweep.repeat + 1)
+        for base, values, axes in combos
+    ]
+    if not runs:
+        raise UsageError("bench: no combination of the sweep can run:\n  " + "\n  ".join(skipped))
+    return runs, skipped
+
+
+def _why_not(values: dict[str, Any], world_size: int, preflight) -> str | None:
+    """The reason a run cannot start on ``world_size`` ranks (the train command's own checks)."""
+    cfg = TrainConfig(**values)
+    try:
+        validate_basic(cfg)
+        preflight(cfg, world_size)
+    except UsageError as e:
+        return str(e)
+    return None

@@ -1,0 +1,215 @@
+"""The checkpoint folder on disk: ``DIR/step-N`` folders, their ``COMPLETE`` mark, ``DIR/latest``.
+
+A step folder holds DCP's files (``.metadata`` and one ``__R_0.distcp`` per rank) and, once every
+rank has written, a ``COMPLETE`` mark: JSON with what was saved and the size of every file. Only a
+marked folder counts as a checkpoint. Everything here is plain file handling: no process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from fsdp2lab.errors import UsageError
+
+COMPLETE = "COMPLETE"
+LATEST = "latest"
+METADATA = ".metadata"
+FORMAT_VERSION = 1
+_STEP_RE = re.compile(r"step-(\d+)")
+
+
+def step_dir(root: str | os.PathLike, step: int) -> Path:
+    return Path(root) / f"step-{step}"
+
+
+def step_of(path: Path) -> int | None:
+    match = _STEP_RE.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
+def step_folders(root: str | os.PathLike) -> list[Path]:
+    """The ``step-N`` folders in ``root``, oldest first (complete or not)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and step_of(p) is not None]
+    return sorted(found, key=step_of)
+
+
+def is_complete(path: Path) -> bool:
+    return (path / COMPLETE).is_file()
+
+
+def complete_folders(root: str | os.PathLike) -> list[Path]:
+    return [p for p in step_folders(root) if is_complete(p)]
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write to a temporary file, flush it to disk, then rename it over ``path``."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def mark_complete(path: Path, info: dict) -> dict:
+    """Record every file's size with ``info`` and mark ``path`` complete (atomically)."""
+    files = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file()}
+    marker = {"format": FORMAT_VERSION, **info, "files": files}
+    _write_atomic(path / COMPLETE, json.dumps(marker, indent=1, sort_keys=True) + "\n")
+    return marker
+
+
+def set_latest(root: Path, path: Path) -> None:
+    _write_atomic(root / LATEST, path.name + "\n")
+
+
+def read_latest(root: Path) -> str | None:
+    try:
+        return (root / LATEST).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def remove(path: Path) -> None:
+    """Delete a step folder: renamed away first, so a crash never leaves half of a marked one."""
+    doomed = path.with_name(f".deleting-{path.name}-{os.getpid()}")
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def prune(root: Path, keep_last: int) -> list[Path]:
+    """Remove all but the newest ``keep_last`` complete checkpoints, and the unfinished saves
+    older than the newest one. Returns what was removed."""
+    complete = complete_folders(root)
+    if not complete:
+        return []
+    keep = set(complete[-keep_last:])
+    newest = step_of(complete[-1])
+    doomed = [p for p in step_folders(root) if p not in keep and step_of(p) < newest]
+    for path in doomed:
+        remove(path)
+    return doomed
+
+
+def remove_unfinished(root: Path) -> list[Path]:
+    """Remove step folders without a ``COMPLETE`` mark and leftovers of interrupted deletions."""
+    root = Path(root)
+    doomed = [p for p in step_folders(root) if not is_complete(p)]
+    for path in doomed:
+        remove(path)
+    for leftover in root.glob(".deleting-step-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    return doomed
+
+
+# ---------------------------------------------------------------------------- reading
+@dataclass
+class Checkpoint:
+    """A complete checkpoint that passed every check: its folder, mark and DCP metadata."""
+
+    path: Path
+    marker: dict
+    metadata: Metadata
+
+    @property
+    def step(self) -> int:
+        return int(self.marker["step"])
+
+    @property
+    def contents(self) -> list[str]:
+        return list(self.marker["contents"])
+
+
+def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Check a step folder thoroughly before anything is loaded; a UsageError names the problem."""
+    path = Path(path)
+    if not path.exists():
+        raise UsageError(f"checkpoint not found: {path}")
+    if not path.is_dir():
+        raise UsageError(f"{path} is not a checkpoint folder (expected DIR/step-N)")
+    if not is_complete(path):
+        raise UsageError(
+            f"checkpoint {path} is incomplete: it has no {COMPLETE} mark, so its save did not finish"
+        )
+    try:
+        marker = json.loads((path / COMPLETE).read_text())
+        files = dict(marker["files"])
+        int(marker["step"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"checkpoint {path}: its {COMPLETE} mark is damaged ({e})") from None
+    if not (path / METADATA).is_file():
+        raise UsageError(
+            f"checkpoint {path} has no {METADATA} file (DCP's index of the shards), so it cannot "
+            "be read"
+        )
+    for name, size in files.items():
+        _check_file(path, name, size)
+    try:
+        with open(path / METADATA, "rb") as f:
+            metadata = pickle.load(f)
+    except Exception as e:
+        raise UsageError(f"checkpoint {path}: {METADATA} cannot be read ({e})") from None
+    if not isinstance(metadata, Metadata):
+        raise UsageError(f"checkpoint {path}: {METADATA} is not DCP metadata")
+    # Every byte range the index points to must lie inside its file.
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in ends.items():
+        _check_file(path, name, None, at_least=end)
+    return Checkpoint(path, marker, metadata)
+
+
+def _check_file(folder: Path, name: str, size: int | None, at_least: int = 0) -> None:
+    file = folder / name
+    if not file.is_file():
+        raise UsageError(f"checkpoint {folder}: shard file {file} is missing")
+    actual = file.stat().st_size
+    if (size is not None and actual != size) or actual < at_least:
+        expected = size if size is not None else at_least
+        raise UsageError(
+            f"checkpoint {folder}: shard file {file} is truncated or damaged "
+            f"({actual} bytes, {expected} when saved)"
+        )
+
+
+def find_checkpoint(path: str | os.PathLike, notes: list[str]) -> Checkpoint:
+    """``path`` as a step folder, or as a checkpoint directory: its newest complete checkpoint.
+
+    An incomplete newer folder is skipped with a note; a complete but damaged one is an error.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise UsageError(f"checkpoint not found: {path}")
+    if step_of(path) is not None or (path / METADATA).exists() or (path / COMPLETE).exists():
+        return open_checkpoint(path)
+    folders = step_folders(path)
+    if not folders:
+        raise UsageError(f"no checkpoint in {path} (no step-N folders)")
+    for folder in reversed(folders):
+        if is_complete(folder):
+            return open_checkpoint(folder)
+        notes.append(
+            f"skipping incomplete checkpoint {folder} (no {COMPLETE} mark: its save did not finish)"
+        )
+    raise UsageError(f"no complete checkpoint in {path}: every step-N folder lacks its mark")

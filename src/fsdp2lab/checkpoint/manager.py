@@ -1,0 +1,309 @@
+"""Save and resume: the checkpoint hook of the trainer.
+
+Save: every rank writes its own shards of ``DIR/step-N`` with ``torch.distributed.checkpoint``;
+then rank 0 marks the folder ``COMPLETE``, points ``DIR/latest`` at it and prunes old ones
+(``--keep-last``). With ``--async-checkpoint`` the state is copied to memory at once and written
+by a background thread over its own gloo group, at most one save in flight.
+
+Resume: rank 0 picks the checkpoint (``--resume auto | never | PATH``) and checks it; every rank
+loads it (DCP reshards to this run's world size, mesh and strategy) and the data position is
+restored in global samples, so the run goes on from the same sample.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from fsdp2lab.checkpoint import layout
+from fsdp2lab.checkpoint import state as ckpt_state
+from fsdp2lab.config import TrainConfig
+from fsdp2lab.errors import UsageError
+from fsdp2lab.runtime.distributed import Runtime, on_rank0
+from fsdp2lab.training.trainer import Hooks, log0
+
+if TYPE_CHECKING:
+    from fsdp2lab.training.trainer import Trainer
+
+
+def check_flags(cfg: TrainConfig) -> None:
+    for name in ("ckpt_every_steps", "keep_last"):
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if not cfg.ckpt_dir:
+        for name in ("ckpt_every_steps", "keep_last", "async_checkpoint"):
+            if getattr(cfg, name):
+                raise UsageError(f"--{name.replace('_', '-')} needs --ckpt-dir DIR")
+
+
+def choose_resume(cfg: TrainConfig, notes: list[str]) -> layout.Checkpoint | None:
+    """The checkpoint to resume from (checked), or None to start fresh. Pure file checks."""
+    root = Path(cfg.ckpt_dir) if cfg.ckpt_dir else None
+    ckpt = None
+    if cfg.resume == "auto":
+        if root is not None and layout.complete_folders(root):
+            ckpt = layout.find_checkpoint(root, notes)
+        elif root is not None:
+            notes += [f"skipping incomplete checkpoint {p}" for p in layout.step_folders(root)]
+    elif cfg.resume != "never":
+        ckpt = layout.find_checkpoint(cfg.resume, notes)
+    if root is not None:
+        done = layout.complete_folders(root)
+        newest = done[-1] if done else None
+        if newest is not None and (ckpt is None or layout.step_of(newest) > ckpt.step):
+            start = "a fresh start" if ckpt is None else f"step {ckpt.step}"
+            raise UsageError(
+                f"--ckpt-dir {root} already holds checkpoints up to {newest.name}, newer than "
+                f"where this run starts ({start}); its saves would overwrite them. Resume from "
+                "the newest (--resume auto), or use another --ckpt-dir"
+            )
+    return ckpt
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+@dataclass
+class _InFlight:
+    future: Future
+    path: Path
+    info: dict
+    started: float
+
+
+class CheckpointManager(Hooks):
+    """Saves on schedule (``--ckpt-every-steps``, each epoch end, the end) and resumes at start."""
+
+    def __init__(self, cfg: TrainConfig, runtime: Runtime):
+        check_flags(cfg)
+        self.cfg, self.runtime = cfg, runtime
+        self.root = Path(cfg.ckpt_dir) if cfg.ckpt_dir else None
+        # Background saves talk over their own group, never interleaving with training's.
+        self.group = dist.new_group(backend="gloo") if cfg.async_checkpoint else None
+        self.in_flight: _InFlight | None = None
+        self.last_saved_step: int | None = None
+        self.rng_at_epoch_start: Callable[[], None] | None = None
+        # (step, scheduler state right after that step): what a mid-epoch checkpoint holds.
+        self.scheduler_after_step: tuple[int, dict] | None = None
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig, runtime: Runtime) -> CheckpointManager | None:
+        check_flags(cfg)
+        wanted = cfg.ckpt_dir or cfg.resume not in ("auto", "never")
+        return cls(cfg, runtime) if wanted else None
+
+    # ------------------------------------------------------------------ hooks
+    def before_fit(self, trainer: Trainer) -> None:
+        notes: list[str] = []
+        ckpt, notes = on_rank0(lambda: (choose_resume(self.cfg, notes), notes))
+        for note in notes:
+            log0(self.runtime, f"fsdp2lab: checkpoint: {note}")
+        if ckpt is not None:
+            self.load(trainer, ckpt)
+        if self.root is not None:  # only once the checkpoint loaded: bad input changes nothing
+            if self.runtime.is_main:
+                self.root.mkdir(parents=True, exist_ok=True)
+                for path in layout.remove_unfinished(self.root):
+                    log0(self.runtime, f"fsdp2lab: checkpoint: removed unfinished save {path}")
+            _barrier()
+
+    def epoch_started(self, trainer: Trainer) -> None:
+        if self.rng_at_epoch_start is not None:
+            self.rng_at_epoch_start()
+            self.rng_at_epoch_start = None
+
+    def after_step(self, trainer: Trainer) -> None:
+        self._poll()
+        st, cfg = trainer.state, self.cfg
+        self.scheduler_after_step = (st.step, copy.deepcopy(trainer.scheduler.state_dict()))
+        epoch_ends = st.epoch_samples + trainer.global_batch > len(trainer.train_set)
+        training_ends = cfg.max_steps is not None and st.step >= cfg.max_steps
+        # At an epoch's or the run's end, after_epoch saves the state a moment later.
+        due = bool(cfg.ckpt_every_steps) and st.step % cfg.ckpt_every_steps == 0
+        if due and not (epoch_ends or training_ends):
+            self.save(trainer)
+
+    def after_epoch(self, trainer: Trainer) -> None:
+        self.save(trainer)
+
+    def after_fit(self, trainer: Trainer) -> None:
+        self.save(trainer)
+
+    def close(self) -> None:
+        """Wait for a background save to finish (and mark it complete)."""
+        self._wait()
+
+    # ------------------------------------------------------------------ save
+    def save(self, trainer: Trainer) -> None:
+        """Checkpoint the current step (a collective: every rank calls it at the same step)."""
+        step = trainer.state.step
+        if self.root is None or step == self.last_saved_step:
+            return
+        self._wait()
+        path = layout.step_dir(self.root, step)
+        self.last_saved_step = step
+        if layout.is_complete(path):
+            log0(self.runtime, f"fsdp2lab: checkpoint: {path} already exists; not saved again")
+            return
+        info = ckpt_state.marker_info(trainer)
+        started = time.perf_counter()
+        devices = [trainer.device.index or 0] if trainer.device.type == "cuda" else []
+        # Saving must not disturb the training RNG streams (a run with checkpoints == without).
+        with torch.random.fork_rng(devices=devices):
+            state = ckpt_state.capture(trainer, self._scheduler_state(trainer))
+            writer = _writer(path, self.runtime.rank, step)
+            if self.group is not None:
+                # The state is copied to memory before async_save returns; training goes on.
+                future = dcp.async_save(state, storage_writer=writer, process_group=self.group)
+                self.in_flight = _InFlight(future, path, info, started)
+            else:
+                dcp.save(state, storage_writer=writer)
+                self._complete(path, info, started)
+
+    def _scheduler_state(self, trainer: Trainer) -> dict | None:
+        """Mid-epoch, the scheduler as it was right after this step (None: the live one)."""
+        snapshot = self.scheduler_after_step
+        if trainer.state.epoch_samples and snapshot and snapshot[0] == trainer.state.step:
+            return snapshot[1]
+        return None
+
+    def _poll(self) -> None:
+        if self.in_flight is not None and self.in_flight.future.done():
+            self._wait()
+
+    def _wait(self) -> None:
+        if self.in_flight is None:
+            return
+        flight, self.in_flight = self.in_flight, None
+        flight.future.result()
+        self._complete(flight.path, flight.info, flight.started)
+
+    def _complete(self, path: Path, info: dict, started: float) -> None:
+        """Rank 0, once every rank has written (DCP's last step is collective): mark, point, prune."""
+        if not self.runtime.is_main:
+            return
+        marker = layout.mark_complete(path, info)
+        layout.set_latest(self.root, path)
+        size = sum(marker["files"].values())
+        log0(
+            self.runtime,
+            f"fsdp2lab: checkpoint saved: {path} ({size / 1e6:.2f} MB, "
+            f"{time.perf_counter() - started:.2f}s)",
+        )
+        if self.cfg.keep_last:
+            for old in layout.prune(self.root, self.cfg.keep_last):
+                log0(self.runtime, f"fsdp2lab: checkpoint: removed {old} (--keep-last)")
+
+    # ------------------------------------------------------------------ resume
+    def load(self, trainer: Trainer, ckpt: layout.Checkpoint) -> None:
+        """Load ``ckpt`` into ``trainer`` on every rank; a UsageError if it does not fit."""
+        run = ckpt_state.saved_run(ckpt)
+        template = ckpt_state.template(trainer, ckpt)
+        own = template.pop(ckpt_state.RANKS, {}).get(str(self.runtime.rank), {})
+        ckpt_state.check_fits(trainer, ckpt, template)
+        full = ckpt_state.OPTIM in ckpt.contents
+        into_epoch = int(run.get("epoch_samples", 0))
+        if full and into_epoch % trainer.global_batch:
+            raise UsageError(
+                f"checkpoint {ckpt.path} stopped {into_epoch} samples into an epoch, which is not a "
+                f"whole number of this run's global batches ({trainer.global_batch}); resume with "
+                f"--global-batch-size {run.get('global_batch')}"
+            )
+        if own:
+            template[ckpt_state.RANKS] = {str(self.runtime.rank): own}
+        try:
+            dcp.load(template, checkpoint_id=ckpt.path)
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise UsageError(f"checkpoint {ckpt.path} could not be read: {first}") from None
+        ckpt_state.apply(trainer, template)
+        if not full:
+            log0(
+                self.runtime,
+                f"fsdp2lab: checkpoint: loaded model weights from {ckpt.path}; optimizer, "
+                "schedule and data start fresh",
+            )
+            return
+        self._check_loader(trainer, ckpt, own, run)
+        self._restore_rng(trainer, own, run)
+        st = trainer.state
+        log0(
+            self.runtime,
+            f"fsdp2lab: checkpoint: resumed from {ckpt.path}: step {st.step}, epoch {st.epoch} "
+            f"({st.epoch_samples} samples into it), {st.samples_seen} samples seen; saved by "
+            f"{run.get('strategy')} on {run.get('world_size')} rank(s), mesh "
+            f"{_mesh_text(run.get('mesh'))}",
+        )
+        self.last_saved_step = st.step
+
+    def _check_loader(self, trainer: Trainer, ckpt: layout.Checkpoint, own: dict, run: dict):
+        """The loader state a rank saved must agree with the global data position."""
+        position = ckpt_state.loader_position(own, int(run.get("micro_batch_global", 1)))
+        st = trainer.state
+        if position is None or position == (st.epoch, st.epoch_samples):
+            return
+        if position[0] == st.epoch - 1 and st.epoch_samples == 0:  # that epoch had ended
+            return
+        raise UsageError(
+            f"checkpoint {ckpt.path} is inconsistent: rank {self.runtime.rank}'s data loader "
+            f"stopped at epoch {position[0]}, sample {position[1]}, but the train state says "
+            f"epoch {st.epoch}, sample {st.epoch_samples}"
+        )
+
+    def _restore_rng(self, trainer: Trainer, own: dict, run: dict) -> None:
+        """Per-rank RNG streams go on where they were; at another world size they are reseeded.
+
+        Mid-epoch, the saved run had already started its epoch's data iterator (which draws
+        from the RNG), so the states are put back only once this run has started its own.
+        """
+        same_ranks = run.get("world_size") == self.runtime.world_size and "rng_cpu" in own
+        if same_ranks:
+            restore = lambda: ckpt_state.restore_rng(trainer, own)  # noqa: E731
+        else:
+            restore = lambda: ckpt_state.reseed_rng(trainer)  # noqa: E731
+            log0(
+                self.runtime,
+                f"fsdp2lab: checkpoint: RNG states were saved by {run.get('world_size')} rank(s) "
+                f"and do not map onto {self.runtime.world_size}: each rank's dropout RNG is "
+                "reseeded from (seed, step, rank)",
+            )
+        if trainer.state.epoch_samples > 0:
+            self.rng_at_epoch_start = restore
+        else:
+            restore()
+
+
+def _mesh_text(mesh: dict | None) -> str:
+    if not mesh:
+        return "?"
+    return " x ".join(f"{n}={s}" for n, s in zip(mesh["names"], mesh["shape"], strict=False))
+
+
+def _writer(path: Path, rank: int, step: int) -> dcp.FileSystemWriter:
+    """DCP's file writer; ``FSDP2LAB_CKPT_CRASH_AT=RANK:STEP`` (a testing aid) makes that rank
+    die right after writing its shards of that step, before the save is complete."""
+    spec = os.environ.get("FSDP2LAB_CKPT_CRASH_AT")
+    if spec and [int(v) for v in spec.split(":")] == [rank, step]:
+        return _CrashAfterWrite(path)
+    return dcp.FileSystemWriter(path)
+
+
+class _CrashAfterWrite(dcp.FileSystemWriter):
+    def write_data(self, plan, planner):
+        written = super().write_data(plan, planner)
+        written.wait()
+        print(f"[rank {dist.get_rank()}] dying mid-save (FSDP2LAB_CKPT_CRASH_AT)", flush=True)
+        os._exit(43)

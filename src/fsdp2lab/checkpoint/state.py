@@ -1,0 +1,279 @@
+"""What a checkpoint holds, and how a trainer's state goes into it and comes back out.
+
+Top-level keys of the DCP state dict:
+
+- ``model``, ``optim``: from ``get_state_dict`` (sharded DTensors under FSDP2; DCP reshards them
+  on load, so any world size, mesh or strategy can read them);
+- ``scheduler``: the LR scheduler's state dict;
+- ``train_state``: epoch, step, samples seen, samples into the epoch (world-size independent);
+- ``run``: JSON of how the run was set up (model, strategy, world size, mesh, config);
+- ``ranks.<R>``: rank R's own state: CPU (and CUDA) RNG states and its data loader's state dict.
+  Every rank writes only its own entry.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from collections.abc import Mapping
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from fsdp2lab.checkpoint.layout import Checkpoint
+from fsdp2lab.errors import UsageError
+
+# Optimizer state keyed by parameter name (not by position in param_groups): the same keys
+# whatever the strategy or pipeline layout, so any layout can load what another saved.
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+if TYPE_CHECKING:
+    from fsdp2lab.training.trainer import Trainer
+
+MODEL, OPTIM, SCHEDULER, TRAIN_STATE, RUN, RANKS = (
+    "model",
+    "optim",
+    "scheduler",
+    "train_state",
+    "run",
+    "ranks",
+)
+FULL_CONTENTS = [MODEL, OPTIM, SCHEDULER, TRAIN_STATE, RUN, RANKS]
+
+
+def run_info(trainer: Trainer) -> dict:
+    """How the run is set up: recorded in the checkpoint and its COMPLETE mark."""
+    cfg, mesh = trainer.cfg, trainer.mesh
+    return {
+        "model": cfg.model,
+        "strategy": cfg.strategy,
+        "world_size": trainer.runtime.world_size,
+        "mesh": {"names": list(mesh.mesh_dim_names or ()), "shape": list(mesh.shape)},
+        "dp": trainer.dims.dp,
+        "global_batch": trainer.global_batch,
+        "micro_batch_global": trainer.sampler.micro_global,
+        "optimizer": cfg.optimizer,
+        "scheduler": cfg.scheduler,
+        "device": trainer.device.type,
+        "config": asdict(cfg),
+    }
+
+
+def marker_info(trainer: Trainer) -> dict:
+    """What the COMPLETE mark says about a checkpoint of ``trainer`` (for ``ckpt info``)."""
+    return {**asdict(trainer.state), **run_info(trainer), "contents": FULL_CONTENTS}
+
+
+def _rank_state(trainer: Trainer) -> dict:
+    state: dict[str, Any] = {"rng_cpu": torch.get_rng_state()}
+    if trainer.device.type == "cuda":
+        state["rng_cuda"] = torch.cuda.get_rng_state(trainer.device)
+    # Asking an unstarted loader for its state would start it (and draw from the RNG).
+    started = getattr(trainer.loader, "_iterator", None) is not None
+    state["loader"] = pickle.dumps(trainer.loader.state_dict()) if started else None
+    return state
+
+
+def capture(trainer: Trainer, scheduler_state: dict | None = None) -> dict:
+    """The state dict to save. Tensors alias the live ones: save (or stage) it before training on.
+
+    ``scheduler_state`` replaces the live scheduler's state where that has moved on since the
+    step (the trainer steps an epoch scheduler also when it stops mid-epoch).
+    """
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=OPTIONS)
+    return {
+        MODEL: model_sd,
+        OPTIM: optim_sd,
+        SCHEDULER: scheduler_state or trainer.scheduler.state_dict(),
+        TRAIN_STATE: asdict(trainer.state),
+        RUN: json.dumps(run_info(trainer)),
+        RANKS: {str(trainer.runtime.rank): _rank_state(trainer)},
+    }
+
+
+def saved_run(ckpt: Checkpoint) -> dict:
+    """The run info of a checkpoint (from its mark; imported checkpoints have only a little)."""
+    return {k: v for k, v in ckpt.marker.items() if k not in ("files", "format")}
+
+
+# ---------------------------------------------------------------------------- loading
+def template(trainer: Trainer, ckpt: Checkpoint) -> dict:
+    """The state dict to load into: the live tensors (DCP loads in place) and placeholders."""
+    if OPTIM not in ckpt.contents:  # weights only (an imported state dict)
+        return {MODEL: get_model_state_dict(trainer.model)}
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=OPTIONS)
+    state = {
+        MODEL: model_sd,
+        OPTIM: optim_sd,
+        SCHEDULER: trainer.scheduler.state_dict(),
+        TRAIN_STATE: asdict(trainer.state),
+    }
+    mine = own_rank_keys(trainer, ckpt)
+    if mine:
+        state[RANKS] = {str(trainer.runtime.rank): mine}
+    return state
+
+
+def own_rank_keys(trainer: Trainer, ckpt: Checkpoint) -> dict:
+    """Placeholders for this rank's saved entry, where the checkpoint has one to read."""
+    prefix = f"{RANKS}.{trainer.runtime.rank}."
+    saved = {k[len(prefix) :] for k in ckpt.metadata.state_dict_metadata if k.startswith(prefix)}
+    mine: dict[str, Any] = {}
+    if "rng_cpu" in saved:
+        mine["rng_cpu"] = torch.get_rng_state()
+    if "rng_cuda" in saved and trainer.device.type == "cuda":
+        mine["rng_cuda"] = torch.cuda.get_rng_state(trainer.device)
+    if "loader" in saved:
+        mine["loader"] = None
+    return mine
+
+
+def apply(trainer: Trainer, loaded: dict) -> None:
+    """Put loaded model, optimizer, scheduler and train state into ``trainer``."""
+    from fsdp2lab.training.trainer import TrainState
+
+    if OPTIM not in loaded:
+        set_model_state_dict(trainer.model, loaded[MODEL])
+        return
+    set_state_dict(
+        trainer.model,
+        trainer.optimizer,
+        model_state_dict=loaded[MODEL],
+        optim_state_dict=loaded[OPTIM],
+        options=OPTIONS,
+    )
+    trainer.scheduler.load_state_dict(loaded[SCHEDULER])
+    # The schedule owns the learning rate: the groups take the rate it last set.
+    for group, lr in zip(
+        trainer.optimizer.param_groups, trainer.scheduler.get_last_lr(), strict=True
+    ):
+        group["lr"] = lr
+    trainer.state = TrainState(**loaded[TRAIN_STATE])
+
+
+def restore_rng(trainer: Trainer, rank_state: dict) -> None:
+    torch.set_rng_state(rank_state["rng_cpu"])
+    if "rng_cuda" in rank_state:
+        torch.cuda.set_rng_state(rank_state["rng_cuda"], trainer.device)
+
+
+def reseed_rng(trainer: Trainer) -> None:
+    """A deterministic fresh RNG stream per rank, for a resume where saved streams do not map."""
+    seed = trainer.cfg.seed * 1_000_003 + trainer.state.step * 1000 + trainer.runtime.rank
+    torch.manual_seed(seed)
+
+
+def loader_position(rank_state: dict, micro_batch_global: int) -> tuple[int, int] | None:
+    """(epoch, global samples into it) recorded by a rank's data loader state; None if unknown."""
+    blob = rank_state.get("loader")
+    if blob is None:
+        return None
+    state = pickle.loads(blob)
+    snapshot = state.get("_snapshot")  # the layout of a loader with worker processes
+    if snapshot is not None:
+        sampler = snapshot["_main_snapshot"]["_index_sampler_state"]
+        yielded = snapshot["_snapshot_step"] + state["_steps_since_snapshot"]
+    else:
+        sampler, yielded = state.get("_index_sampler_state"), state.get("_num_yielded")
+    if not isinstance(sampler, Mapping) or yielded is None:
+        return None
+    return int(sampler["epoch"]), int(sampler["start_sample"]) + int(yielded) * micro_batch_global
+
+
+# ---------------------------------------------------------------------------- compatibility
+def flatten(state: Mapping) -> dict[str, Any]:
+    """Keys as DCP names them: nested dicts and lists holding tensors or dicts joined with dots."""
+    flat: dict[str, Any] = {}
+
+    def terminal_list(values: list) -> bool:
+        return not any(
+            isinstance(v, (Mapping, torch.Tensor)) or (isinstance(v, list) and not terminal_list(v))
+            for v in values
+        )
+
+    def visit(path: tuple[str, ...], value: Any) -> None:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                visit((*path, str(k)), v)
+        elif isinstance(value, list) and not terminal_list(value):
+            for i, v in enumerate(value):
+                visit((*path, str(i)), v)
+        else:
+            flat[".".join(path)] = value
+
+    for key, value in state.items():
+        visit((str(key),), value)
+    return flat
+
+
+def _shape(value: Any) -> list[int] | None:
+    return list(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def check_fits(trainer: Trainer, ckpt: Checkpoint, state: dict) -> None:
+    """A UsageError (the same on every rank) when the checkpoint does not fit this run.
+
+    ``state`` is this rank's template without its per-rank entry. Under pipeline parallelism
+    each rank holds part of the model, so the ranks pool what they found.
+    """
+    saved = ckpt.metadata.state_dict_metadata
+    mine = flatten(state)
+    missing, differ = [], []
+    for key, value in mine.items():
+        if key not in saved:
+            missing.append(key)
+            continue
+        entry = saved[key]
+        here = _shape(value)
+        there = list(entry.size) if isinstance(entry, TensorStorageMetadata) else None
+        if here != there:
+            differ.append(f"{key}: {_fmt(there)} in the checkpoint, {_fmt(here)} here")
+    model_keys = {k for k in mine if k.startswith(MODEL + ".")}
+    report = (sorted(missing), sorted(differ), sorted(model_keys))
+    reports: list = [report]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        reports = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, report)
+    missing = sorted({k for r in reports for k in r[0]})
+    differ = sorted({k for r in reports for k in r[1]})
+    known = {k for r in reports for k in r[2]}
+    extra = sorted(k for k in saved if k.startswith(MODEL + ".") and k not in known)
+    if not (missing or differ or extra):
+        return
+    run = saved_run(ckpt)
+    problems = []
+    for key, ours in (("model", trainer.cfg.model), ("optimizer", trainer.cfg.optimizer)):
+        theirs = run.get(key)
+        if theirs is not None and theirs != ours:
+            problems.append(f"it was saved with --{key} {theirs}, this run uses --{key} {ours}")
+    if (run.get("scheduler") or trainer.cfg.scheduler) != trainer.cfg.scheduler:
+        problems.append(
+            f"it was saved with --scheduler {run['scheduler']}, this run uses "
+            f"--scheduler {trainer.cfg.scheduler}"
+        )
+    if missing:
+        problems.append(f"{len(missing)} entries of this run are not in it ({_few(missing)})")
+    if extra:
+        problems.append(f"{len(extra)} of its tensors are not in this model ({_few(extra)})")
+    if differ:
+        problems.append(f"{len(differ)} shapes differ ({_few(differ)})")
+    raise UsageError(f"checkpoint {ckpt.path} does not fit this run: " + "; ".join(problems))
+
+
+def _fmt(shape: list[int] | None) -> str:
+    return "not a tensor" if shape is None else str(shape)
+
+
+def _few(items: list[str], n: int = 3) -> str:
+    shown = ", ".join(items[:n])
+    return shown + (f", and {len(items) - n} more" if len(items) > n else "")

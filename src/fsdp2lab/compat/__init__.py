@@ -1,0 +1,1 @@
+"""Legacy APIs run beside FSDP2 for comparison and migration (``--strategy fsdp1``)."""

@@ -1,0 +1,153 @@
+"""Preemption and time limits: on SIGUSR1 or SIGTERM, finish the step, checkpoint, requeue, stop.
+
+The signal handler only sets a flag. After each step every rank contributes its flag to an
+all-reduce (MAX), since a signal reaches the ranks at slightly different times; so all ranks stop
+after the same step. At an epoch's (or the run's) last step the check waits for ``after_epoch``,
+once the epoch's evaluation and checkpoint are done; a run that is finishing anyway finishes.
+
+On a stop: the checkpoint manager saves this step (``--ckpt-dir``), and under Slurm rank 0 runs
+``scontrol requeue $SLURM_JOB_ID``; the requeued job resumes with ``--resume auto``. SIGUSR1 (what
+``#SBATCH --signal=USR1@120`` sends before the time limit) always requeues. SIGTERM requeues only
+when ``scontrol show job`` says the time limit or a preemption ended the job: a plain ``scancel``
+also sends SIGTERM, and requeueing would undo it. Then training ends cleanly (exit code 0).
+Without ``--ckpt-dir`` the run stops without a checkpoint and is not requeued.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from fsdp2lab.runtime.distributed import Runtime
+from fsdp2lab.training.trainer import Hooks, StopTraining, log0
+
+if TYPE_CHECKING:
+    from fsdp2lab.checkpoint.manager import CheckpointManager
+    from fsdp2lab.training.trainer import Trainer
+
+SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+# `scontrol show job` of a job whose SIGTERM came from its time limit or a preemption.
+_ENDED_BY_LIMIT = re.compile(r"\bJobState=(TIMEOUT|PREEMPTED)\b|\bReason=(TimeLimit|Preempted)\b")
+
+
+def slurm_job_id(env: Mapping[str, str] | None = None) -> str | None:
+    """The Slurm job this process runs in (srun tasks and torchrun workers under srun inherit it)."""
+    env = os.environ if env is None else env
+    return env.get("SLURM_JOB_ID") or None
+
+
+def should_requeue(signum: int, show_job: str) -> bool:
+    """USR1 asks for a requeue; SIGTERM only when the time limit or a preemption ended the job."""
+    return signum == signal.SIGUSR1 or bool(_ENDED_BY_LIMIT.search(show_job))
+
+
+def _scontrol(*args: str) -> tuple[int, str]:
+    try:
+        proc = subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return 1, str(e)
+    return proc.returncode, (proc.stdout + proc.stderr).strip()
+
+
+def requeue(job_id: str, signum: int) -> str:
+    """Requeue ``job_id`` if ``signum`` asks for it; a sentence saying what happened."""
+    if signum != signal.SIGUSR1:
+        _, show = _scontrol("show", "job", job_id)
+        if not should_requeue(signum, show):
+            return f"job {job_id} not requeued: SIGTERM without a time limit (scancel or shutdown)"
+    code, out = _scontrol("requeue", job_id)
+    if code != 0:
+        return f"job {job_id} could not be requeued (scontrol requeue: {out or f'exit {code}'})"
+    return f"job {job_id} requeued; it resumes from the checkpoint"
+
+
+def _step_delay() -> float:
+    """Testing aid: ``FSDP2LAB_STEP_DELAY_S=S`` sleeps S seconds after each step (to signal mid-run)."""
+    return float(os.environ.get("FSDP2LAB_STEP_DELAY_S", "0") or 0)
+
+
+class Preemption(Hooks):
+    """Stop cleanly on SIGUSR1/SIGTERM: checkpoint, requeue under Slurm, raise ``StopTraining``."""
+
+    def __init__(self, runtime: Runtime, checkpoints: CheckpointManager | None):
+        self.runtime = runtime
+        self.checkpoints = checkpoints
+        self.received = 0  # the first signal number received, 0 for none
+        self.stopped = False
+        self.delay = _step_delay()
+        # The flag travels on a CPU group: no GPU synchronisation each step.
+        self.group = None
+        if runtime.world_size > 1 and dist.get_backend() != "gloo":
+            self.group = dist.new_group(backend="gloo")
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        # Later signals (a second one, or the SIGTERM of our own requeue) change nothing.
+        self.received = self.received or signum
+
+    # ------------------------------------------------------------------ hooks
+    def after_step(self, trainer: Trainer) -> None:
+        if self.delay:
+            time.sleep(self.delay)
+        st = trainer.state
+        epoch_ends = st.epoch_samples + trainer.global_batch > len(trainer.train_set)
+        if not (epoch_ends or _training_ends(trainer)):  # else after_epoch checks
+            self._check(trainer)
+
+    def after_epoch(self, trainer: Trainer) -> None:
+        if not _training_ends(trainer):
+            self._check(trainer)
+
+    # ------------------------------------------------------------------ stop
+    def _agreed_signal(self) -> int:
+        """The largest signal number any rank received (a collective on every rank)."""
+        flag = torch.tensor([self.received], dtype=torch.int64)
+        if self.runtime.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return int(flag.item())
+
+    def _check(self, trainer: Trainer) -> None:
+        signum = self._agreed_signal()
+        if signum:
+            self._stop(trainer, signum)
+
+    def _stop(self, trainer: Trainer, signum: int) -> None:
+        rt, step = self.runtime, trainer.state.step
+        name = signal.Signals(signum).name
+        self.stopped = True
+        # From here the process ends by itself. Ignored (not handled) signals stay ignored during
+        # interpreter shutdown too, where the SIGTERM of our own requeue would otherwise kill it.
+        for sig in SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        ckpt = self.checkpoints
+        if ckpt is None or ckpt.root is None:
+            note = "no --ckpt-dir, so nothing is saved and the job is not requeued"
+            log0(rt, f"fsdp2lab: preemption: {name} at step {step}; {note}")
+            raise StopTraining(f"{name} at step {step}, without a checkpoint")
+        ckpt.save(trainer)  # a no-op if this step is saved already
+        ckpt.close()  # wait for a background save: the checkpoint is complete before a requeue
+        job = slurm_job_id()
+        if rt.is_main:
+            outcome = requeue(job, signum) if job else "not under Slurm: no requeue"
+            log0(
+                rt,
+                f"fsdp2lab: preemption: {name} after step {step}; saved in {ckpt.root}; {outcome}",
+            )
+        raise StopTraining(f"{name} at step {step}, checkpoint saved")
+
+
+def _training_ends(trainer: Trainer) -> bool:
+    """The run's last step is done (the loop ends and the final checkpoint follows)."""
+    cfg, st = trainer.cfg, trainer.state
+    return (cfg.max_steps is not None and st.step >= cfg.max_steps) or st.epoch > cfg.epochs
