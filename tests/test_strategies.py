@@ -18,7 +18,7 @@ from fsdp2lab.compat import fsdp1
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.models import get_spec, layer_units
 from fsdp2lab.models.materialize import build_on_meta
-from fsdp2lab.parallel.fsdp2 import unit_groups
+from fsdp2lab.parallel.fsdp2 import default_unit_min_params, unit_groups
 
 STEPS = 50
 PARITY = [*TINY, "--synthetic-size", "512", "--global-batch-size", "16"]
@@ -191,6 +191,9 @@ def test_fsdp2_unit_policies_group_consecutive_units():
     assert unit_groups(gpt, "auto", 1_000_000) == [gpt[:2], gpt[2:]]
     assert unit_groups(gpt, "auto", 500_000) == [[b] for b in gpt]
     assert unit_groups(gpt, "auto", 10**9) == [gpt]
+    # The default: ~4 M parameters per unit on CPU (gloo), ~1 M on GPUs (NCCL).
+    assert default_unit_min_params("cpu") == 4_000_000
+    assert default_unit_min_params("cuda") == 1_000_000
 
 
 @pytest.mark.parametrize(

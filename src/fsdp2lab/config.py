@@ -91,8 +91,10 @@ class TrainConfig:
         "parameters) | layer (one fully_shard per layer unit) | root (the whole model as one)",
         choices=("auto", "layer", "root"),
     )
-    fsdp_unit_min_params: int = _opt(
-        1_000_000, "--fsdp-units auto: fewest parameters per unit (a smaller rest joins the last)"
+    fsdp_unit_min_params: int | None = _opt(
+        None,
+        "--fsdp-units auto: fewest parameters per unit, a smaller rest joins the last "
+        "(default: 4,000,000 on CPU/gloo, 1,000,000 on GPU)",
     )
     # tensor and pipeline parallelism
     tp: int = _opt(1, "tensor-parallel degree (adds a tp mesh dimension)")
@@ -263,7 +265,6 @@ def validate_basic(cfg: TrainConfig) -> None:
         "synthetic_size",
     ]
     positive += ["n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "dp_replicate"]
-    positive += ["fsdp_unit_min_params"]
     for name in positive:
         if getattr(cfg, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
@@ -273,6 +274,7 @@ def validate_basic(cfg: TrainConfig) -> None:
         "max_steps",
         "nproc_per_node",
         "fsdp1_min_params",
+        "fsdp_unit_min_params",
     ):
         value = getattr(cfg, name)
         if value is not None and value < 1:

@@ -50,8 +50,9 @@ BUILTIN_VARIANTS: dict[str, dict[str, Any]] = {
     "fsdp2": {"strategy": "fsdp2"},
     "hsdp": {"strategy": "fsdp2", "dp_replicate": 2},
 }
-# Keys the sweep sets itself for every run.
+# Keys the sweep sets itself for every run, and keys whose files every run would share.
 _SWEEP_OWNED = ("model", "mixed_precision", "reshard_after_forward", "nproc_per_node")
+_SHARED_FILES = ("metrics_file", "ckpt_dir", "save_model")
 _RUN_DEFAULTS = {"progress": "off", "log_every_steps": 5}
 _AXES = {
     "strategies": str,
@@ -108,14 +109,17 @@ def check_train_keys(values: dict[str, Any], where: str) -> dict[str, Any]:
         return {}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "keys.toml"
-        path.write_text(to_toml(values))
         try:
+            path.write_text(to_toml(values))
             checked = load_toml(str(path))
         except UsageError as e:
-            raise UsageError(str(e).replace(f"config file {path}", where)) from None
+            raise UsageError(f"{where}: {e}".replace(f": config file {path}:", ":")) from None
     for key in _SWEEP_OWNED:
         if key in checked:
             raise UsageError(f"{where}: {key} is set by the sweep's axes; remove it")
+    for key in _SHARED_FILES:
+        if key in checked:
+            raise UsageError(f"{where}: {key} would be one file for every run of the sweep")
     return checked
 
 
