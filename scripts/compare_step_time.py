@@ -29,12 +29,13 @@ VARIANTS = {
     "fsdp2-layer": ["--strategy", "fsdp2", "--fsdp-units", "layer"],
     "fsdp2-root": ["--strategy", "fsdp2", "--fsdp-units", "root"],
     "fsdp2-auto": ["--strategy", "fsdp2", "--fsdp-units", "auto"],
+    "fsdp2-auto-builtin": ["--strategy", "fsdp2", "--gloo-collectives", "builtin"],
     "fsdp2-auto-p1": ["--strategy", "fsdp2", "--fsdp-units", "auto", "--prefetch", "1"],
     "fsdp2-layer-p1": ["--strategy", "fsdp2", "--fsdp-units", "layer", "--prefetch", "1"],
     "fsdp2-auto-1m": ["--strategy", "fsdp2", "--fsdp-unit-min-params", "1000000"],
     "fsdp2-zero2": ["--strategy", "fsdp2", "--reshard-after-forward", "false"],
 }
-DEFAULT = [n for n in VARIANTS if n not in ("fsdp2-auto-1m", "fsdp2-zero2")]
+DEFAULT = [n for n in VARIANTS if n not in ("fsdp2-auto-1m", "fsdp2-zero2", "fsdp2-auto-builtin")]
 REFERENCES = ("ddp", "fsdp1", "fsdp1-root")
 
 

@@ -211,3 +211,12 @@ def test_prefetch_and_reshard_settings_do_not_change_results(tmp_path, reference
         "false",
     )
     assert_close_lists(run.step_losses, reference["gpt"].step_losses, 1e-5)
+
+
+def test_gloo_builtin_collectives_train_the_same_as_the_rings(tmp_path, reference):
+    # The default (rings) is what every other test runs; here gloo's own, one unit per block.
+    run = train(
+        tmp_path, *GPT_TINY, *PARITY, "--nproc-per-node", "2", "--fsdp-units", "layer",
+        "--gloo-collectives", "builtin",
+    )  # fmt: skip
+    assert_close_lists(run.step_losses, reference["gpt"].step_losses, 1e-5)

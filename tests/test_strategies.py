@@ -56,7 +56,9 @@ EXTRA = {
         2: {
             "fsdp2-layer": [*FSDP2, "--fsdp-units", "layer", "--prefetch", "1"],
             "fsdp2-root": [*FSDP2, "--fsdp-units", "root"],
-        }
+        },
+        # backward all-gathers within groups of 2 of the 4 ranks (rings over subgroups)
+        4: {"fsdp2-reshard-2": [*FSDP2, "--fsdp-units", "layer", "--reshard-after-forward", "2"]},
     },
 }
 
@@ -184,13 +186,15 @@ def test_fsdp2_unit_policies_group_consecutive_units():
     units = layer_units(cnn)
     assert unit_groups(units, "layer", 1) == [[u] for u in units]
     assert unit_groups(units, "root", 1) == []
-    # conv1 + conv2 + fc1 reach the threshold; fc2, too small alone, joins them.
-    assert unit_groups(units, "auto", 100_000) == [units]
+    # conv1 + conv2 + fc1 reach the threshold; fc2, too small alone, joins them: one group,
+    # which is left to the root.
+    assert unit_groups(units, "auto", 100_000) == []
     assert unit_groups(units, "auto", 10_000) == [units[:2], units[2:]]
     gpt = layer_units(_meta("gpt", n_layers=4, d_model=256))  # 787,456 parameters a block
     assert unit_groups(gpt, "auto", 1_000_000) == [gpt[:2], gpt[2:]]
     assert unit_groups(gpt, "auto", 500_000) == [[b] for b in gpt]
-    assert unit_groups(gpt, "auto", 10**9) == [gpt]
+    assert unit_groups(gpt, "auto", 2_000_000) == []  # 2 + 2 blocks: one group, to the root
+    assert unit_groups(gpt, "auto", 10**9) == []
     # The default: ~4 M parameters per unit on CPU (gloo), ~1 M on GPUs (NCCL).
     assert default_unit_min_params("cpu") == 4_000_000
     assert default_unit_min_params("cuda") == 1_000_000

@@ -96,6 +96,12 @@ class TrainConfig:
         "--fsdp-units auto: fewest parameters per unit, a smaller rest joins the last "
         "(default: 4,000,000 on CPU/gloo, 1,000,000 on GPU)",
     )
+    gloo_collectives: str = _opt(
+        "ring",
+        "FSDP2 on CPU/gloo: ring (all-gather and reduce-scatter as point-to-point rings) | "
+        "builtin (gloo's own; its reduce-scatter all-reduces the whole input)",
+        choices=("ring", "builtin"),
+    )
     # tensor and pipeline parallelism
     tp: int = _opt(1, "tensor-parallel degree (adds a tp mesh dimension)")
     pp: int = _opt(1, "pipeline-parallel degree (adds a pp mesh dimension)")

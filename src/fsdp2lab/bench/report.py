@@ -19,7 +19,7 @@ PLOTS = [
     ("peak_memory_bytes_max", "peak memory per rank (MiB)", 1 / MiB, False),
     ("sharded_state_bytes_max", "sharded state per rank (MiB)", 1 / MiB, False),
     ("samples_per_s", "throughput (samples/s)", 1.0, False),
-    ("scaling_efficiency", "scaling efficiency", 1.0, False),
+    ("scaling_efficiency", "scaling efficiency (vs the fastest 1-rank run)", 1.0, False),
     ("tokens_per_s", "throughput (tokens/s)", 1.0, False),
     ("mfu", "model FLOPs utilisation", 1.0, False),
 ]
@@ -27,23 +27,22 @@ _LEGACY = ("ddp", "fsdp1")
 
 
 def _series(agg: dict, model: str, precision: str) -> dict[str, dict[int, dict]]:
-    """line -> world size -> aggregated measures, with the scaling efficiency added."""
+    """line -> world size -> aggregated measures, with the scaling efficiency added: throughput
+    over (ranks x the fastest run on the fewest ranks), one baseline for every line."""
     lines: dict[str, dict[int, dict]] = {}
     for (m, p, line, ws), values in agg.items():
         if (m, p) == (model, precision):
             lines.setdefault(line, {})[ws] = values
+    base_ws = min(ws for points in lines.values() for ws in points)
+    base = max(
+        (p[base_ws].get("samples_per_s", 0) for p in lines.values() if base_ws in p), default=0
+    )
     for points in lines.values():
-        base_ws = min(points)
-        base = points[base_ws].get("samples_per_s")
         for ws, values in points.items():
             if base and "samples_per_s" in values:
-                eff = values["samples_per_s"] / base * base_ws / ws
-                lo = values["samples_per_s:min"] / base * base_ws / ws
-                hi = values["samples_per_s:max"] / base * base_ws / ws
-                values.update(
-                    {"scaling_efficiency": eff, "scaling_efficiency:min": lo},
-                    **{"scaling_efficiency:max": hi},
-                )
+                for suffix in ("", ":min", ":max"):
+                    eff = values["samples_per_s" + suffix] / base * base_ws / ws
+                    values["scaling_efficiency" + suffix] = eff
     return lines
 
 

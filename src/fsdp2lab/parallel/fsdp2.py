@@ -17,6 +17,8 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
+from fsdp2lab.parallel.gloo_ring import use_ring_collectives
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -45,6 +47,7 @@ def apply_fsdp(
     device: torch.device | None = None,
     unit_policy: str = "auto",
     unit_min_params: int | None = None,
+    gloo_collectives: str = "ring",
 ) -> nn.Module:
     """Shard the units (grouped by ``unit_policy``), then the root, which takes the parameters
     no unit holds. The root and the last unit keep their parameters gathered from forward to
@@ -52,7 +55,8 @@ def apply_fsdp(
 
     ``prefetch`` > 0 sets explicit prefetching: each unit's forward all-gathers the next
     ``prefetch`` units, and its backward the previous ones (on CPU, asynchronously, so that they
-    overlap compute).
+    overlap compute). On CPU, ``gloo_collectives="ring"`` replaces gloo's all-gather and
+    reduce-scatter with the rings of :mod:`fsdp2lab.parallel.gloo_ring`.
     """
     kwargs = dict(
         mesh=dp_mesh,
@@ -75,6 +79,8 @@ def apply_fsdp(
         reshard_after_forward=None if reshard_after_forward is True else reshard_after_forward,
         **kwargs,
     )
+    if dp_mesh.device_type == "cpu" and gloo_collectives == "ring":
+        use_ring_collectives(model)
     if prefetch > 0:
         set_prefetch([g[0] for g in groups], prefetch)
         if dp_mesh.device_type == "cpu":
@@ -104,9 +110,10 @@ def unit_groups(units: list[nn.Module], policy: str, min_params: int) -> list[li
 
     ``layer``: one per layer unit. ``root``: none (the whole model is one unit). ``auto``:
     consecutive units grouped until a group holds ``min_params`` parameters; a smaller remainder
-    joins the last group. Each group costs its collectives (an all-gather in forward, another in
-    backward if it reshards, a reduce-scatter), and its gathered parameters are the step's
-    transient memory: fewer, larger groups trade memory for fewer collectives.
+    joins the last group, and a single group is left to the root. Each group costs its
+    collectives (an all-gather in forward, another in backward if it reshards, a reduce-scatter),
+    and its gathered parameters are the step's transient memory: fewer, larger groups trade
+    memory for fewer collectives.
     """
     if policy == "layer":
         return [[u] for u in units]
@@ -121,12 +128,11 @@ def unit_groups(units: list[nn.Module], policy: str, min_params: int) -> list[li
         if size >= min_params:
             groups.append(current)
             current, size = [], 0
-    if current:
-        if groups:
-            groups[-1].extend(current)
-        else:
-            groups.append(current)
-    return groups
+    if current and groups:
+        groups[-1].extend(current)
+    # One group would gather everything at once like the root, plus a collective pair for the
+    # root's own parameters: leave it all to the root.
+    return groups if len(groups) > 1 else []
 
 
 def set_prefetch(units: list[nn.Module], depth: int) -> None:

@@ -75,6 +75,7 @@ def _fsdp2(model: nn.Module, ctx: ParallelContext) -> nn.Module:
         device=ctx.device,
         unit_policy=cfg.fsdp_units,
         unit_min_params=cfg.fsdp_unit_min_params,
+        gloo_collectives=cfg.gloo_collectives,
     )
     if dims.pp > 1:
         n_microbatches = pp.microbatches(cfg.pp_microbatches, dims.pp)
