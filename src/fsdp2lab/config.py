@@ -212,15 +212,20 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, type=kind, default=None, help=help_text, **extra)
 
 
-def load_toml(path: str) -> dict[str, Any]:
-    """Read a config file; unknown keys and wrong types are a UsageError."""
+def read_toml_file(path: str, what: str = "config file") -> dict[str, Any]:
+    """The parsed TOML at ``path``; a missing file or bad TOML is a UsageError naming ``what``."""
     p = Path(path)
     if not p.is_file():
-        raise UsageError(f"config file not found: {path}")
+        raise UsageError(f"{what} not found: {path}")
     try:
-        data = tomllib.loads(p.read_text())
+        return tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
-        raise UsageError(f"config file {path} is not valid TOML: {e}") from None
+        raise UsageError(f"{what} {path} is not valid TOML: {e}") from None
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """Read a config file; unknown keys and wrong types are a UsageError."""
+    data = read_toml_file(path)
     values: dict[str, Any] = {}
     for key, value in data.items():
         name = key.replace("-", "_")

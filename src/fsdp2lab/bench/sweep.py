@@ -29,19 +29,13 @@ Combinations that cannot run (single on 2 ranks, hsdp on 1) are left out and lis
 from __future__ import annotations
 
 import dataclasses
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fsdp2lab.config import PRECISIONS, TrainConfig, load_toml, validate_basic
+from fsdp2lab.config import PRECISIONS, TrainConfig, load_toml, read_toml_file, validate_basic
 from fsdp2lab.errors import UsageError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 BUILTIN_VARIANTS: dict[str, dict[str, Any]] = {
     "single": {"strategy": "single"},
@@ -144,13 +138,7 @@ def load_sweep(path: str | None) -> Sweep:
     sweep = Sweep()
     if path is None:
         return sweep
-    p = Path(path)
-    if not p.is_file():
-        raise UsageError(f"sweep file not found: {path}")
-    try:
-        data = tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise UsageError(f"sweep file {path} is not valid TOML: {e}") from None
+    data = read_toml_file(path, "sweep file")
     known = {"sweep", "train", "models", "variants"}
     for key in data:
         if key not in known:
