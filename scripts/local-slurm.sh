@@ -5,7 +5,8 @@
 #
 # Usage:
 #   scripts/local-slurm.sh start          # idempotent; prints `export SLURM_CONF=...`
-#   scripts/local-slurm.sh status         # sinfo, or "not running" (exit 3)
+#   scripts/local-slurm.sh status         # sinfo and pending jobs with Slurm's reason,
+#                                         # or "not running" (exit 3)
 #   scripts/local-slurm.sh stop [--purge] # cancel jobs, stop daemons; --purge rm state dir
 #
 #   eval "$(scripts/local-slurm.sh start)"   # stdout is only the export line
@@ -14,7 +15,9 @@
 # Environment:
 #   FSDP2LAB_SLURM_DIR      state dir (default /tmp/fsdp2lab-slurm); conf is
 #                           always $FSDP2LAB_SLURM_DIR/slurm.conf
-#   FSDP2LAB_SLURM_CPUS     CPUs per node (default max(nproc, 2))
+#   FSDP2LAB_SLURM_CPUS     CPUs each node advertises (default max(nproc, 8): the
+#                           sbatch scripts' defaults, 2 tasks x --cpus-per-task=4,
+#                           fit one node; more than the cores is fine for tests)
 #   FSDP2LAB_SLURM_TIMEOUT  seconds to wait for both nodes idle (default 60)
 #   FSDP2LAB_SLURM_CRED_EXPIRE  AuthInfo cred_expire (default 10): step
 #                           credential lifetime and the requeue restart delay
@@ -237,7 +240,11 @@ write_conf() {
   local host cpus mem n i ver first_id
   host=$(hostname -s 2>/dev/null || hostname)
   cpus=${FSDP2LAB_SLURM_CPUS:-$(nproc)}
-  ((cpus >= 2)) || cpus=2 # each node must take --ntasks-per-node=2
+  # Each node must take the scripts' defaults (--ntasks-per-node=2 x --cpus-per-task=4), else
+  # a plain `sbatch slurm/train.sbatch` pends for ever (reason PartitionConfig). The CPUs are
+  # advertised (config_overrides), not bound: jobs share the real cores.
+  [[ -n ${FSDP2LAB_SLURM_CPUS:-} ]] || ((cpus >= 8)) || cpus=8
+  ((cpus >= 2)) || cpus=2
   # Memory is not a consumable resource (CR_CPU); advertise half of RAM.
   mem=$(awk '/^MemTotal:/ { m = int($2 / 2048); print (m > 0 ? m : 1) }' /proc/meminfo)
   pick_ports
@@ -425,7 +432,15 @@ cmd_stop() {
 }
 
 cmd_status() {
+  local pending
   if pid_alive "$(ctld_pidfile)" slurmctld && sinfo 2>/dev/null; then
+    # A job that cannot start says why here (e.g. PartitionConfig: it asks more CPUs per node
+    # than a node has; Resources: waiting for running jobs).
+    pending=$(squeue -h -t PENDING -o '%i %j %r' 2>/dev/null || true)
+    if [[ -n $pending ]]; then
+      echo "pending jobs (id name reason):"
+      echo "$pending"
+    fi
     return 0
   fi
   echo "not running"

@@ -17,8 +17,8 @@ from fsdp2lab import cli
 from fsdp2lab.checkpoint import layout
 from fsdp2lab.checkpoint import state as ckpt_state
 from fsdp2lab.checkpoint.export import full_state_dict, read_model_weights
-from fsdp2lab.checkpoint.manager import CheckpointManager, check_flags, choose_resume
-from fsdp2lab.config import TrainConfig
+from fsdp2lab.checkpoint.manager import CheckpointManager, choose_resume
+from fsdp2lab.config import TrainConfig, validate_basic
 from fsdp2lab.errors import UsageError
 from fsdp2lab.runtime.distributed import Runtime
 from fsdp2lab.training.trainer import Trainer
@@ -108,11 +108,11 @@ def test_resume_choices_that_would_overwrite_checkpoints_are_refused(ckpt_dir: P
 
 def test_checkpoint_flags_need_a_directory():
     with pytest.raises(UsageError, match="--keep-last needs --ckpt-dir DIR"):
-        check_flags(TrainConfig(keep_last=2))
+        validate_basic(TrainConfig(keep_last=2))
     with pytest.raises(UsageError, match="--ckpt-every-steps must be >= 1, got 0"):
-        check_flags(TrainConfig(ckpt_dir="x", ckpt_every_steps=0))
+        validate_basic(TrainConfig(ckpt_dir="x", ckpt_every_steps=0))
     with pytest.raises(UsageError, match="--async-checkpoint needs --ckpt-dir DIR"):
-        check_flags(TrainConfig(async_checkpoint=True))
+        validate_basic(TrainConfig(async_checkpoint=True))
 
 
 # ---------------------------------------------------------------------------- bad input

@@ -38,8 +38,9 @@ SCRIPTS = {
     "torchrun": REPO / "slurm" / "train-torchrun.sbatch",
 }
 JOB_NAMES = {"srun": "fsdp2lab", "torchrun": "fsdp2lab-torchrun"}  # their #SBATCH --job-name
-# 1 CPU per task (the scripts ask for 4): nodes of 4 CPUs then take two 2 x 2 jobs at once.
-SBATCH_ARGS = ["--cpus-per-task=1"]
+# The plain jobs are submitted as the README shows (the scripts ask --cpus-per-task=4, which the
+# local nodes' 8 CPUs take); jobs that must run side by side ask 1 CPU per task.
+SIDE_BY_SIDE = ["--cpus-per-task=1"]
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL")
 
 
@@ -60,9 +61,11 @@ class Cluster:
         assert proc.returncode == 0, f"{' '.join(cmd)}: {proc.stderr}"
         return proc.stdout
 
-    def submit(self, kind: str, workdir: Path, *args: str, env: dict | None = None) -> Job:
+    def submit(
+        self, kind: str, workdir: Path, *args: str, env: dict | None = None, sbatch: tuple = ()
+    ) -> Job:
         job_env = {**self.env, **(env or {})}
-        cmd = ["sbatch", "--parsable", *SBATCH_ARGS, str(SCRIPTS[kind]), *RUN, *args]
+        cmd = ["sbatch", "--parsable", *sbatch, str(SCRIPTS[kind]), *RUN, *args]
         proc = subprocess.run(cmd, cwd=workdir, env=job_env, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr
         job_id = proc.stdout.strip().split(";")[0]
@@ -120,7 +123,8 @@ def cluster(tmp_path_factory):
     if missing:
         pytest.skip(f"Slurm packages missing: {' '.join(missing)} (.ci/run installs them)")
     state = tmp_path_factory.mktemp("slurm")
-    env = {**os.environ, "FSDP2LAB_SLURM_DIR": str(state), "FSDP2LAB_SLURM_CPUS": "4"}
+    env = {**os.environ, "FSDP2LAB_SLURM_DIR": str(state)}
+    env.pop("FSDP2LAB_SLURM_CPUS", None)  # the default, as a user gets it
     start = subprocess.run([str(LOCAL_SLURM), "start"], env=env, capture_output=True, text=True)
     if start.returncode == 2:
         pytest.skip(f"local Slurm cluster unavailable: {start.stderr.strip()}")
@@ -152,6 +156,19 @@ def _check_trained_two_nodes(job: Job, state: str, reference) -> list[dict]:
     return metrics
 
 
+def test_status_says_why_a_job_waits(cluster):
+    job_id = cluster.run("sbatch", "--parsable", "--begin=now+3600", "--wrap", "true").strip()
+    try:
+        status = subprocess.run(
+            [str(LOCAL_SLURM), "status"], env=cluster.env, capture_output=True, text=True
+        )
+        assert status.returncode == 0, status.stderr
+        assert "pending jobs (id name reason):" in status.stdout
+        assert f"{job_id} wrap BeginTime" in status.stdout
+    finally:
+        cluster.run("scancel", job_id)
+
+
 @pytest.fixture(scope="module")
 def plain_jobs(cluster, tmp_path_factory) -> dict[str, Job]:
     """One uninterrupted job of each script, submitted together (they run side by side)."""
@@ -175,7 +192,7 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_same_end(cluster, referenc
     for kind in SCRIPTS:
         (tmp_path / kind).mkdir()
         jobs[kind] = cluster.submit(kind, tmp_path / kind, "--save-model", "final.pt",
-                                    env=SLOW_STEPS)  # fmt: skip
+                                    env=SLOW_STEPS, sbatch=SIDE_BY_SIDE)  # fmt: skip
     # Each job gets USR1 as soon as it has logged step 3 (polled side by side).
     how = {"srun": ["--batch"], "torchrun": []}
     sent_after: dict[str, int] = {}
@@ -207,3 +224,27 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_same_end(cluster, referenc
         assert cluster.runs_of(job.id) == ["PENDING", "COMPLETED"]  # requeued once, then done
         steps = [r["step"] for r in metrics if r["event"] == "step"]
         assert steps == list(range(1, STEPS + 1))  # run 1 logged 1..k, run 2 k+1..12
+
+
+def test_readme_slurm_commands_run_as_written(cluster, tmp_path):
+    """The README's ``srun`` and ``sbatch`` lines (tests/test_readme.py leaves them to this test)."""
+    shutil.copy(REPO / "README.md", tmp_path)
+    shutil.copytree(REPO / "slurm", tmp_path / "slurm")
+    env = {**cluster.env, "PATH": f"{Path(sys.executable).parent}:{cluster.env['PATH']}"}
+    commands = [
+        "srun --ntasks-per-node 2 fsdp2lab train",
+        "sbatch --wait slurm/train.sbatch --model gpt --dataset text --text-file README.md "
+        "--epochs 3",
+    ]
+    for command in commands:
+        proc = subprocess.run(
+            ["bash", "-c", f"{command} --max-steps 2"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
+        logs = "".join(p.read_text() for p in tmp_path.glob("*.out"))
+        assert proc.returncode == 0, f"{command}\n{proc.stdout}\n{proc.stderr}\n{logs[-3000:]}"
+    assert "fsdp2 on 4 rank(s) [cpu/gloo], mesh dp_replicate=2 x dp_shard=2" in logs

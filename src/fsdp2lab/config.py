@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -260,6 +261,42 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return cfg
 
 
+# Numeric flags and the values they take: (lowest, highest, lowest is allowed). None: unbounded.
+_BOUNDS: dict[str, tuple[float | None, float | None, bool]] = {
+    **{
+        name: (1, None, True)
+        for name in (
+            "n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "synthetic_size",
+            "global_batch_size", "batch_size", "test_batch_size", "grad_accum_steps", "epochs",
+            "max_steps", "dp_replicate", "tp", "pp", "pp_microbatches", "fsdp1_min_params",
+            "fsdp_unit_min_params", "ckpt_every_steps", "keep_last", "nproc_per_node",
+            "log_every_steps",
+        )
+    },
+    **{name: (0, None, True) for name in ("lr", "weight_decay", "warmup_steps", "num_workers", "seed", "prefetch")},
+    "gamma": (0, None, False),
+    "max_grad_norm": (0, None, False),
+    "momentum": (0, 1, True),
+    "dropout": (0, 1, True),
+}  # fmt: skip
+
+
+def _check_bounds(cfg: TrainConfig) -> None:
+    for name, (low, high, low_ok) in _BOUNDS.items():
+        value = getattr(cfg, name)
+        if value is None:
+            continue
+        flag = f"--{name.replace('_', '-')}"
+        too_low = low is not None and (value < low or (value == low and not low_ok))
+        too_high = high is not None and value >= high
+        if not math.isfinite(value) or too_low or too_high:
+            if high is not None:
+                want = f"in [{low}, {high})" if low_ok else f"in ({low}, {high})"
+            else:
+                want = f">= {low}" if low_ok else f"> {low}"
+            raise UsageError(f"{flag} must be {want}, got {value}")
+
+
 def validate_basic(cfg: TrainConfig) -> None:
     """Checks that need no knowledge of the world size or the data."""
     for name in _FIELDS:
@@ -268,34 +305,13 @@ def validate_basic(cfg: TrainConfig) -> None:
             raise UsageError(
                 f"--{name.replace('_', '-')} must be one of {', '.join(choices)}, not {getattr(cfg, name)!r}"
             )
-    positive = [
-        "grad_accum_steps",
-        "epochs",
-        "test_batch_size",
-        "log_every_steps",
-        "synthetic_size",
-    ]
-    positive += ["n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "dp_replicate"]
-    for name in positive:
-        if getattr(cfg, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-    for name in (
-        "global_batch_size",
-        "batch_size",
-        "max_steps",
-        "nproc_per_node",
-        "fsdp1_min_params",
-        "fsdp_unit_min_params",
-    ):
-        value = getattr(cfg, name)
-        if value is not None and value < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    _check_bounds(cfg)
     if cfg.dp_shard < 1 and cfg.dp_shard != -1:
         raise UsageError(f"--dp-shard must be >= 1 or -1 (the rest), got {cfg.dp_shard}")
-    if cfg.dropout is not None and not 0.0 <= cfg.dropout < 1.0:
-        raise UsageError(f"--dropout must be in [0, 1), got {cfg.dropout}")
-    if cfg.prefetch < 0:
-        raise UsageError(f"--prefetch must be >= 0, got {cfg.prefetch}")
     cfg.reshard_value()
     if cfg.dataset == "text" and not cfg.text_file:
         raise UsageError("--dataset text needs --text-file PATH")
+    if not cfg.ckpt_dir:
+        for name in ("ckpt_every_steps", "keep_last", "async_checkpoint"):
+            if getattr(cfg, name):
+                raise UsageError(f"--{name.replace('_', '-')} needs --ckpt-dir DIR")

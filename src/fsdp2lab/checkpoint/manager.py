@@ -30,21 +30,10 @@ from fsdp2lab.checkpoint import state as ckpt_state
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.errors import UsageError
 from fsdp2lab.runtime.distributed import Runtime, on_rank0
-from fsdp2lab.training.trainer import Hooks, log0
+from fsdp2lab.training.hooks import Hooks, log0
 
 if TYPE_CHECKING:
     from fsdp2lab.training.trainer import Trainer
-
-
-def check_flags(cfg: TrainConfig) -> None:
-    for name in ("ckpt_every_steps", "keep_last"):
-        value = getattr(cfg, name)
-        if value is not None and value < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if not cfg.ckpt_dir:
-        for name in ("ckpt_every_steps", "keep_last", "async_checkpoint"):
-            if getattr(cfg, name):
-                raise UsageError(f"--{name.replace('_', '-')} needs --ckpt-dir DIR")
 
 
 def choose_resume(cfg: TrainConfig, notes: list[str]) -> layout.Checkpoint | None:
@@ -88,7 +77,6 @@ class CheckpointManager(Hooks):
     """Saves on schedule (``--ckpt-every-steps``, each epoch end, the end) and resumes at start."""
 
     def __init__(self, cfg: TrainConfig, runtime: Runtime):
-        check_flags(cfg)
         self.cfg, self.runtime = cfg, runtime
         self.root = Path(cfg.ckpt_dir) if cfg.ckpt_dir else None
         # Background saves talk over their own group, never interleaving with training's.
@@ -101,7 +89,6 @@ class CheckpointManager(Hooks):
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, runtime: Runtime) -> CheckpointManager | None:
-        check_flags(cfg)
         wanted = cfg.ckpt_dir or cfg.resume not in ("auto", "never")
         return cls(cfg, runtime) if wanted else None
 

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from fsdp2lab.checkpoint.layout import Checkpoint
 from fsdp2lab.errors import UsageError
+from fsdp2lab.training.hooks import TrainState
 
 # Optimizer state keyed by parameter name (not by position in param_groups): the same keys
 # whatever the strategy or pipeline layout, so any layout can load what another saved.
@@ -140,8 +141,6 @@ def own_rank_keys(trainer: Trainer, ckpt: Checkpoint) -> dict:
 
 def apply(trainer: Trainer, loaded: dict) -> None:
     """Put loaded model, optimizer, scheduler and train state into ``trainer``."""
-    from fsdp2lab.training.trainer import TrainState
-
     if OPTIM not in loaded:
         set_model_state_dict(trainer.model, loaded[MODEL])
         return

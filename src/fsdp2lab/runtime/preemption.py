@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp2lab.runtime.distributed import Runtime
-from fsdp2lab.training.trainer import Hooks, StopTraining, log0
+from fsdp2lab.training.hooks import Hooks, StopTraining, log0
 
 if TYPE_CHECKING:
     from fsdp2lab.checkpoint.manager import CheckpointManager

@@ -6,7 +6,8 @@ from fsdp2lab.checkpoint.manager import CheckpointManager
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.runtime.distributed import Runtime
 from fsdp2lab.runtime.preemption import Preemption
-from fsdp2lab.training.trainer import Trainer, log0
+from fsdp2lab.training.hooks import log0
+from fsdp2lab.training.trainer import Trainer
 
 
 def run_training(cfg: TrainConfig, runtime: Runtime) -> dict:

@@ -11,7 +11,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -27,36 +27,8 @@ from fsdp2lab.parallel.strategies import ParallelContext, check_world_size, get_
 from fsdp2lab.runtime.distributed import Runtime, on_rank0
 from fsdp2lab.runtime.mesh import ParallelDims, build_mesh, dp_rank
 from fsdp2lab.training import metrics as m
+from fsdp2lab.training.hooks import Hooks, StopTraining, TrainState, log0
 from fsdp2lab.training.optim import build_optimizer, build_scheduler
-
-
-@dataclass
-class TrainState:
-    """Where training is, counted in world-size-independent units."""
-
-    epoch: int = 1  # the epoch in progress (1-based, as the seed prints it)
-    step: int = 0  # optimizer steps done
-    samples_seen: int = 0  # global samples consumed
-    epoch_samples: int = 0  # global samples of the current epoch consumed
-
-
-class Hooks:
-    """Extension points (checkpointing, preemption). Each is called on every rank."""
-
-    def before_fit(self, trainer: Trainer) -> None: ...
-    def epoch_started(self, trainer: Trainer) -> None: ...  # data iterator made, no step yet
-    def after_step(self, trainer: Trainer) -> None: ...
-    def after_epoch(self, trainer: Trainer) -> None: ...
-    def after_fit(self, trainer: Trainer) -> None: ...
-
-
-class StopTraining(Exception):
-    """Raised by a hook to end training early and cleanly (e.g. after a preemption checkpoint)."""
-
-
-def log0(runtime: Runtime, *args, **kwargs) -> None:
-    if runtime.is_main:
-        print(*args, **kwargs, flush=True)
 
 
 def _fault_injection(rank: int, step: int) -> None:

@@ -1,0 +1,42 @@
+"""What the trainer shares with the code that hooks into it: the train state, the hook points,
+the way to stop early, and rank-0 output. Checkpointing, preemption and other observers import
+this module, not the trainer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from fsdp2lab.runtime.distributed import Runtime
+
+if TYPE_CHECKING:
+    from fsdp2lab.training.trainer import Trainer
+
+
+@dataclass
+class TrainState:
+    """Where training is, counted in world-size-independent units."""
+
+    epoch: int = 1  # the epoch in progress (1-based, as the seed prints it)
+    step: int = 0  # optimizer steps done
+    samples_seen: int = 0  # global samples consumed
+    epoch_samples: int = 0  # global samples of the current epoch consumed
+
+
+class Hooks:
+    """Extension points (checkpointing, preemption). Each is called on every rank."""
+
+    def before_fit(self, trainer: Trainer) -> None: ...
+    def epoch_started(self, trainer: Trainer) -> None: ...  # data iterator made, no step yet
+    def after_step(self, trainer: Trainer) -> None: ...
+    def after_epoch(self, trainer: Trainer) -> None: ...
+    def after_fit(self, trainer: Trainer) -> None: ...
+
+
+class StopTraining(Exception):
+    """Raised by a hook to end training early and cleanly (e.g. after a preemption checkpoint)."""
+
+
+def log0(runtime: Runtime, *args, **kwargs) -> None:
+    if runtime.is_main:
+        print(*args, **kwargs, flush=True)

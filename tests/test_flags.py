@@ -1,0 +1,42 @@
+"""Bad flag values: one line from rank 0, exit code 2, before any worker starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_cli
+from fsdp2lab import cli
+
+BAD = [
+    (["--lr", "-1"], "--lr must be >= 0, got -1.0"),
+    (["--lr", "nan"], "--lr must be >= 0, got nan"),
+    (["--weight-decay", "-0.1"], "--weight-decay must be >= 0, got -0.1"),
+    (["--log-every-steps", "0"], "--log-every-steps must be >= 1, got 0"),
+    (["--gamma", "0"], "--gamma must be > 0, got 0.0"),
+    (["--momentum", "1.5"], "--momentum must be in [0, 1), got 1.5"),
+    (["--max-grad-norm", "0"], "--max-grad-norm must be > 0, got 0.0"),
+    (["--warmup-steps", "-3"], "--warmup-steps must be >= 0, got -3"),
+    (["--num-workers", "-1"], "--num-workers must be >= 0, got -1"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--dropout", "1"], "--dropout must be in [0, 1), got 1.0"),
+    (["--tp", "0"], "--tp must be >= 1, got 0"),
+    (["--pp-microbatches", "0"], "--pp-microbatches must be >= 1, got 0"),
+    (["--epochs", "0"], "--epochs must be >= 1, got 0"),
+    (["--ckpt-dir", "c", "--keep-last", "0"], "--keep-last must be >= 1, got 0"),
+    (["--dp-shard", "0"], "--dp-shard must be >= 1 or -1 (the rest), got 0"),
+]
+
+
+@pytest.mark.parametrize(("flags", "message"), BAD, ids=[" ".join(f) for f, _ in BAD])
+def test_bad_flag_values_give_one_line_and_exit_2(flags, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train", *flags]) == 2
+    out = capsys.readouterr()
+    assert out.err == f"fsdp2lab: error: {message}\n"
+    assert list(tmp_path.iterdir()) == []  # nothing written: no data, no checkpoint folder
+
+
+def test_a_bad_value_under_several_ranks_prints_once(tmp_path):
+    proc = run_cli(["train", "--nproc-per-node", "2", "--lr", "-1"], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr == "fsdp2lab: error: --lr must be >= 0, got -1.0\n"

@@ -1,0 +1,97 @@
+"""Every command the README shows, run as written (training cut to 2 steps), so it cannot rot.
+
+Each ```bash block of README.md runs in order in one fresh folder holding the README, configs/
+and a ``.venv`` link to this environment; every ``fsdp2lab train`` gets ``--max-steps 2`` (for
+``bench``, after ``--``). Commands that need what this machine lacks (a Slurm allocation, GPUs,
+two machines, a fresh venv) are listed in ``ELSEWHERE`` with the test that runs them or why none
+can; a README command in neither place fails the test.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import FASHION_DIR, cli_env
+
+REPO = Path(__file__).resolve().parents[1]
+SHORT = "--max-steps 2"
+ELSEWHERE = {
+    'python3 -m venv .venv && .venv/bin/pip install -q -e ".[dev]" && .venv/bin/python -m pytest -q':
+        ".ci/run runs it, as written, on a fresh clone",
+    "srun --ntasks-per-node 2 fsdp2lab train": "tests/test_slurm.py (local Slurm cluster)",
+    "sbatch slurm/train.sbatch --model gpt --dataset text --text-file README.md --epochs 3":
+        "tests/test_slurm.py (local Slurm cluster)",
+    "sbatch --nodes=4 --ntasks-per-node=8 --gpus-per-node=8 slurm/train-torchrun.sbatch --model gpt":
+        "needs 4 nodes of 8 GPUs; tests/test_slurm.py runs this script on 2 CPU nodes",
+    "scripts/multinode-torchrun.sh --nnodes 2 --head 10.0.0.1 -- --model gpt":
+        "needs two machines; tests/test_multinode.py runs the script as two nodes on localhost",
+}  # fmt: skip
+
+
+def readme_blocks() -> list[list[str]]:
+    """The commands of each ```bash block: continuation lines joined, comments dropped."""
+    blocks = []
+    for body in re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S):
+        joined = re.sub(r"\\\n\s*", "", body)
+        commands = [re.sub(r"\s+#.*$", "", ln).strip() for ln in joined.splitlines()]
+        blocks.append([c for c in commands if c and not c.startswith("#")])
+    return blocks
+
+
+def shortened(command: str) -> str:
+    """``command`` with every training run cut to 2 steps."""
+    parts = []
+    for part in command.split(" && "):
+        # bench passes what follows ``--`` to each of its training runs
+        if re.search(r"fsdp2lab (bench .* -- |train(?! --help))", part):
+            part = f"{part} {SHORT}"
+        parts.append(part)
+    return " && ".join(parts)
+
+
+BLOCKS = [[c for c in block if c not in ELSEWHERE] for block in readme_blocks()]
+BLOCKS = [block for block in BLOCKS if block]
+
+
+def test_every_readme_command_is_run_here_or_named_elsewhere():
+    commands = {c for block in readme_blocks() for c in block}
+    assert set(ELSEWHERE) <= commands, f"gone from the README: {set(ELSEWHERE) - commands}"
+    assert len(BLOCKS) >= 5, BLOCKS
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> Path:
+    """A user's folder: the README and configs, .venv (this environment), MNIST on disk."""
+    shutil.copy(REPO / "README.md", tmp_path)
+    shutil.copytree(REPO / "configs", tmp_path / "configs")
+    (tmp_path / ".venv").symlink_to(sys.prefix)
+    if FASHION_DIR.is_dir():  # same IDX format: stands in for a downloaded MNIST
+        shutil.copytree(FASHION_DIR, tmp_path / "data" / "MNIST" / "raw")
+    return tmp_path
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[b[0][:60] for b in BLOCKS])
+def test_readme_block_runs_as_written(block, workspace):
+    if any("--dataset mnist" in c for c in block) and not FASHION_DIR.is_dir():
+        pytest.skip(f"no MNIST stand-in: {FASHION_DIR} missing (.ci/run installs it)")
+    env = cli_env({"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
+    for command in block:
+        proc = subprocess.run(
+            ["bash", "-c", shortened(command)],
+            cwd=workspace,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0, (
+            f"README command failed ({proc.returncode}): {command}\n"
+            f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+        )

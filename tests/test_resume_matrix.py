@@ -1,0 +1,133 @@
+"""Resume at another world size, mesh or strategy: the loaded state is the saved one, bit for bit,
+and the curve after the resume is the straight run's at the target layout.
+
+Every source layout trains 30 steps straight and saves at step 15; every cell resumes that
+checkpoint in its target layout and trains steps 16-30 (across the epoch boundary at step 20:
+StepLR steps and the sampler reshuffles). Runs at different layouts add the same numbers in
+different orders, so even two straight runs differ by rounding, which training amplifies
+(Adam more than Adadelta). A resumed run must stay within max(1e-6, 2 x the largest
+difference so far between the straight runs at the source and at the target layout) at every
+step: as close to the target's straight run as the source's straight run is.
+
+Before training, each cell also gathers every parameter, optimizer state tensor and
+hyperparameter of the freshly loaded trainer to full and compares it bitwise with what the
+checkpoint holds (tests/scripts/resume_matrix.py).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import cli_env, read_metrics
+
+SCRIPT = Path(__file__).parent / "scripts" / "resume_matrix.py"
+SAVE_AT, STEPS = 15, 30
+COMMON = ["--model", "mlp", "--dataset", "synthetic", "--synthetic-size", "960", "--seed", "3",
+          "--global-batch-size", "48", "--dropout", "0", "--mixed-precision", "fp32",
+          "--log-every-steps", "1", "--progress", "off", "--max-steps", str(STEPS)]  # fmt: skip
+OPTIMIZERS = {
+    "adadelta": ["--optimizer", "adadelta"],
+    "adam": ["--optimizer", "adam"],
+    "sgd": ["--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.05"],
+}
+# Layout name -> (world size, flags). 3 ranks shard every mlp layer unevenly (128, 64, 10 rows).
+LAYOUTS = {
+    "single": (1, ["--strategy", "single"]),
+    "fsdp2-2": (2, []),
+    "fsdp1-2": (2, ["--strategy", "fsdp1"]),
+    "pp2": (2, ["--pp", "2"]),
+    "fsdp2-3": (3, ["--fsdp-units", "layer"]),
+    "fsdp2-4": (4, ["--fsdp-units", "layer"]),
+    "hsdp-2x2": (4, ["--dp-replicate", "2"]),
+    "fsdp2-tp-2x2": (4, ["--tp", "2"]),
+}
+CELLS = [  # (source, target)
+    ("fsdp2-4", "fsdp2-2"),
+    ("fsdp2-2", "fsdp2-4"),
+    ("single", "fsdp2-4"),
+    ("fsdp2-3", "fsdp2-2"),
+    ("hsdp-2x2", "fsdp2-2"),
+    ("fsdp2-2", "hsdp-2x2"),
+    ("fsdp1-2", "fsdp2-2"),
+    ("fsdp2-tp-2x2", "fsdp2-2"),
+    ("pp2", "fsdp2-2"),
+]
+
+
+def _run_ranks(out: Path, ranks: int, variants: dict) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={ranks}", str(SCRIPT), str(out), json.dumps(variants), *COMMON]  # fmt: skip
+    proc = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def _cell(source: str, target: str, opt: str) -> str:
+    return f"{source}-to-{target}-{opt}"
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory) -> Path:
+    """Straight runs of every layout (saving at step 15), then every resume, grouped by world size."""
+    out = tmp_path_factory.mktemp("resume-matrix")
+    straight: dict[int, dict] = {}
+    for layout, (ranks, flags) in LAYOUTS.items():
+        for opt, opt_flags in OPTIMIZERS.items():
+            ckpt = ["--ckpt-dir", str(out / f"ckpt-{layout}-{opt}"), "--ckpt-every-steps", str(SAVE_AT)]
+            straight.setdefault(ranks, {})[f"{layout}-{opt}"] = {"flags": [*flags, *opt_flags, *ckpt]}
+    resumes: dict[int, dict] = {}
+    for source, target in CELLS:
+        ranks, flags = LAYOUTS[target]
+        for opt, opt_flags in OPTIMIZERS.items():
+            ckpt = str(out / f"ckpt-{source}-{opt}" / f"step-{SAVE_AT}")
+            resumes.setdefault(ranks, {})[_cell(source, target, opt)] = {
+                "flags": [*flags, *opt_flags, "--resume", ckpt],
+                "check": ckpt,
+            }
+    # Sources before the resumes that read them: 1, 3 and 4 ranks; 2 (its resumes read 3 and 4);
+    # then the resumes on 4 (they read 1 and 2).
+    for ranks in (1, 3):
+        _run_ranks(out, ranks, straight[ranks])
+    _run_ranks(out, 4, straight[4])
+    _run_ranks(out, 2, {**straight[2], **resumes[2]})
+    _run_ranks(out, 4, resumes[4])
+    return out
+
+
+def _losses(out: Path, name: str) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(out / f"{name}.jsonl") if r["event"] == "step"}
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+@pytest.mark.parametrize(("source", "target"), CELLS, ids=[f"{s}->{t}" for s, t in CELLS])
+def test_resumed_state_is_the_saved_state_bitwise(matrix, source, target, opt):
+    name = _cell(source, target, opt)
+    reports = [json.loads(p.read_text()) for p in sorted(matrix.glob(f"{name}.state.rank*.json"))]
+    assert len(reports) == LAYOUTS[target][0]
+    compared = {k for r in reports for k in r["compared"]}
+    assert set(reports[0]["expected"]) <= compared, "tensors of the checkpoint not compared"
+    assert {"scheduler", "train_state"} <= compared
+    mismatched = sorted({k for r in reports for k in r["mismatched"]})
+    assert not mismatched, f"loaded state differs from the saved: {mismatched}"
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+@pytest.mark.parametrize(("source", "target"), CELLS, ids=[f"{s}->{t}" for s, t in CELLS])
+def test_resumed_curve_follows_the_straight_run_at_the_target(matrix, source, target, opt):
+    src, tgt = _losses(matrix, f"{source}-{opt}"), _losses(matrix, f"{target}-{opt}")
+    resumed = _losses(matrix, _cell(source, target, opt))
+    assert sorted(src) == sorted(tgt) == list(range(1, STEPS + 1))
+    assert sorted(resumed) == list(range(SAVE_AT + 1, STEPS + 1))
+    straight_gap, report, worst = 0.0, [], 0.0
+    for step in range(1, STEPS + 1):
+        straight_gap = max(straight_gap, abs(src[step] - tgt[step]))
+        if step <= SAVE_AT:
+            continue
+        diff, tol = abs(resumed[step] - tgt[step]), max(1e-6, 2 * straight_gap)
+        worst = max(worst, diff / tol)
+        report.append(f"step {step}: resumed - target {diff:.1e} (tolerance {tol:.1e})")
+    assert worst <= 1.0, "\n".join(report)
