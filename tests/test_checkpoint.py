@@ -49,6 +49,7 @@ def reference(tmp_path_factory) -> tuple[Path, Run]:
     return where, run
 
 
+@pytest.mark.compat
 def test_interrupted_save_keeps_the_last_checkpoint_and_resume_is_exact(reference, tmp_path):
     ref_dir, ref = reference
     want = losses(ref)
@@ -107,6 +108,7 @@ def test_resume_at_an_epoch_boundary_is_exact(reference, tmp_path):
     assert same_weights(tmp_path / "final.pt", ref_dir / "final.pt")
 
 
+@pytest.mark.compat
 def test_export_info_import_and_pytorch_tools(reference, tmp_path, capsys):
     ref_dir, ref = reference
     exported = tmp_path / "exported.pt"
@@ -209,6 +211,7 @@ def test_a_bad_checkpoint_stops_every_rank_with_one_message(reference, tmp_path)
     assert {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in ckpt.rglob("*")} == before
 
 
+@pytest.mark.compat
 def test_resume_at_other_world_sizes_meshes_and_strategies(tmp_path):
     """FSDP2 on 4 ranks -> FSDP2 on 2 -> one process, and 4 -> HSDP 2x2 (dropout 0)."""
     mlp = ["--model", "mlp", "--dataset", "synthetic", "--synthetic-size", "1024"]

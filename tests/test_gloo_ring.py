@@ -11,6 +11,8 @@ import pytest
 
 from conftest import cli_env
 
+pytestmark = pytest.mark.compat  # .ci/run runs these again on other torch versions
+
 SCRIPT = Path(__file__).parent / "scripts" / "check_gloo_ring.py"
 
 

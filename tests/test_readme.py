@@ -1,10 +1,14 @@
 """Every command the README shows, run as written (training cut to 2 steps), so it cannot rot.
 
 Each ```bash block of README.md runs in order in one fresh folder holding the README, configs/
-and a ``.venv`` link to this environment; every ``fsdp2lab train`` gets ``--max-steps 2`` (for
-``bench``, after ``--``). Commands that need what this machine lacks (a Slurm allocation, GPUs,
+and a ``.venv`` link to this environment (the set-up's venv and ``pip install`` steps are left to
+``.ci/run``, which runs them on a fresh clone); every ``fsdp2lab train`` gets ``--max-steps 2``
+(for ``bench``, after ``--``). Commands that need what this machine lacks (a Slurm allocation, GPUs,
 two machines, a fresh venv) are listed in ``ELSEWHERE`` with the test that runs them or why none
 can; a README command in neither place fails the test.
+
+These runs take minutes (``bench`` alone starts ten jobs), so they are marked ``readme`` and left
+out of a plain ``pytest``; ``.ci/run`` runs them with ``pytest -m readme``.
 """
 
 from __future__ import annotations
@@ -46,9 +50,12 @@ def readme_blocks() -> list[list[str]]:
 
 
 def shortened(command: str) -> str:
-    """``command`` with every training run cut to 2 steps."""
+    """``command`` with every training run cut to 2 steps, and without its venv and pip install
+    steps (``.ci/run`` makes a fresh venv and installs the package the same way)."""
     parts = []
     for part in command.split(" && "):
+        if part.startswith("python3 -m venv ") or re.search(r"\bpip install\b", part):
+            continue
         # bench passes what follows ``--`` to each of its training runs
         if re.search(r"fsdp2lab (bench .* -- |train(?! --help))", part):
             part = f"{part} {SHORT}"
@@ -77,6 +84,7 @@ def workspace(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.mark.readme
 @pytest.mark.parametrize("block", BLOCKS, ids=[b[0][:60] for b in BLOCKS])
 def test_readme_block_runs_as_written(block, workspace):
     if any("--dataset mnist" in c for c in block) and not FASHION_DIR.is_dir():

@@ -117,6 +117,7 @@ def test_every_strategy_matches_one_process_at_every_step(parity, model):
                 assert held == pytest.approx(ref_bytes / shard, rel=0.03), (where, held)
 
 
+@pytest.mark.compat
 def test_checkpoints_move_between_fsdp1_fsdp2_ddp_and_single(tmp_path):
     """The migration path: a DCP checkpoint of any strategy resumes under any other, exactly."""
     common = ["--model", "mlp", *TINY, "--max-steps", "12", "--log-every-steps", "1"]

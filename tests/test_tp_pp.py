@@ -85,6 +85,7 @@ def assert_state_bytes(got, model: str, tp: int = 1, dp: int = 1) -> None:
     assert sum(got.summary["sharded_state_bytes"]) == expected_state_bytes(model, tp, dp)
 
 
+@pytest.mark.compat
 def test_tp_gpt_parity_memory_and_checkpoints_across_tp_and_fsdp(tmp_path, reference):
     ref = reference("gpt")
     ckpt = ["--ckpt-dir", "tp", "--ckpt-every-steps", "10"]
@@ -128,6 +129,7 @@ def test_tp_mixed_precision_bf16(tmp_path, reference):
     assert got.step_losses != reference("gpt").step_losses
 
 
+@pytest.mark.compat
 def test_pp_gpt_1f1b(tmp_path, reference):
     got = run(tmp_path, "gpt", "--nproc-per-node", "2", "--pp", "2", "--pp-schedule", "1f1b")
     assert_parity(got, reference("gpt"))
@@ -135,6 +137,7 @@ def test_pp_gpt_1f1b(tmp_path, reference):
     assert_state_bytes(got, "gpt")
 
 
+@pytest.mark.compat
 def test_pp_with_fsdp_gpipe_four_ranks(tmp_path, reference):
     args = ["--nproc-per-node", "4", "--pp", "2", "--pp-schedule", "gpipe"]
     got = run(tmp_path, "gpt", *args, "--pp-microbatches", "2")
@@ -151,6 +154,7 @@ def test_pp_with_tp_mlp2_four_ranks(tmp_path, reference):
     assert_state_bytes(got, "mlp2", tp=2)
 
 
+@pytest.mark.compat
 def test_pp_cnn_with_gradient_accumulation(tmp_path, reference):
     args = [
         "--nproc-per-node",

@@ -18,6 +18,7 @@ from torch.distributed.fsdp import (
 )
 
 from fsdp2lab.parallel.gloo_ring import use_ring_collectives
+from fsdp2lab.runtime.torch_compat import set_unshard_async_op
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -79,15 +80,30 @@ def apply_fsdp(
         reshard_after_forward=None if reshard_after_forward is True else reshard_after_forward,
         **kwargs,
     )
-    if dp_mesh.device_type == "cpu" and gloo_collectives == "ring":
-        use_ring_collectives(model)
+    if dp_mesh.device_type == "cpu":
+        reduce_with_sum(model)
+        if gloo_collectives == "ring":
+            use_ring_collectives(model)
     if prefetch > 0:
         set_prefetch([g[0] for g in groups], prefetch)
         if dp_mesh.device_type == "cpu":
             # Without CUDA streams an all-gather overlaps compute only if issued asynchronously
             # (gloo runs it on its own thread) and waited for when the unit runs.
-            model._set_unshard_async_op(True)
+            set_unshard_async_op(model, True)
     return model
+
+
+def reduce_with_sum(model: nn.Module) -> None:
+    """Make FSDP2 reduce gradients with ReduceOp.SUM and divide them itself (gloo).
+
+    For fp32/bf16 gradients FSDP2 asks the process group for ReduceOp.AVG, which gloo has got
+    silently wrong (pytorch#162338: torch 2.8's gloo reduce-scatter returns the sum; 2.7's too, and
+    its all-reduce refuses AVG). With this, the reduce-scatter (gloo's or the ring) and HSDP's
+    all-reduce get SUM, and FSDP2 divides by the data-parallel size afterwards.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def default_unit_min_params(device_type: str) -> int:

@@ -8,8 +8,9 @@ reduce-scatter takes as long as an all-reduce or longer, 1.7-2.6x this ring; its
 where DDP pays one all-reduce. These rings send each rank ``N-1`` chunks of ``1/N`` of the data
 over gloo's point-to-point channels: the volume of a true all-gather and reduce-scatter.
 
-FSDP2 takes them through ``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``;
-NCCL keeps its own collectives.
+FSDP2 takes them through ``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``
+(torch >= 2.9; before, gloo's own run: :mod:`fsdp2lab.runtime.torch_compat`); NCCL keeps its own
+collectives.
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-# The comm interfaces FSDP2's public set_custom_* methods take (not re-exported by torch).
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from fsdp2lab.runtime.torch_compat import AllGatherBase, ReduceScatterBase, set_custom_collectives
 
 
 class _PlainAlloc:
@@ -31,7 +31,7 @@ class _PlainAlloc:
         return torch.empty(*size, dtype=dtype, device=device)
 
 
-class RingAllGather(_PlainAlloc, AllGather):
+class RingAllGather(_PlainAlloc, AllGatherBase):
     """All-gather over a ring; an asynchronous request (explicit prefetch) keeps gloo's own,
     which runs on gloo's thread and so overlaps compute."""
 
@@ -48,8 +48,9 @@ class RingAllGather(_PlainAlloc, AllGather):
         return None
 
 
-class RingReduceScatter(_PlainAlloc, ReduceScatter):
-    """Reduce-scatter over a ring for SUM and AVG (what FSDP2 asks of gloo); others use gloo's."""
+class RingReduceScatter(_PlainAlloc, ReduceScatterBase):
+    """Reduce-scatter over a ring for SUM (what FSDP2 asks of gloo here:
+    :func:`fsdp2lab.parallel.fsdp2.reduce_with_sum`) and AVG; others use gloo's."""
 
     def __call__(
         self,
@@ -112,9 +113,12 @@ def ring_reduce_scatter(
     output.view(-1).copy_(partial)
 
 
-def use_ring_collectives(model: torch.nn.Module) -> None:
-    """Give every FSDP2 module of ``model`` the ring all-gather and reduce-scatter."""
+def use_ring_collectives(model: torch.nn.Module) -> bool:
+    """Give every FSDP2 module of ``model`` the ring all-gather and reduce-scatter; False where
+    this torch's FSDP2 takes no custom collectives (gloo's own then run)."""
     for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_custom_all_gather(RingAllGather())
-            module.set_custom_reduce_scatter(RingReduceScatter())
+        if isinstance(module, FSDPModule) and not set_custom_collectives(
+            module, RingAllGather(), RingReduceScatter(), name="ring"
+        ):
+            return False
+    return True

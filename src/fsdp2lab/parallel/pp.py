@@ -32,6 +32,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.errors import UsageError
 from fsdp2lab.runtime.mesh import ParallelDims
+from fsdp2lab.runtime.torch_compat import fix_stage_handshake, pipeline_step
 
 
 @dataclass(frozen=True)
@@ -270,20 +271,23 @@ class Pipeline:
         self.n_microbatches = n_microbatches
         self.schedule_name = schedule
         self._loss_fn: Callable | None = None
-        self._schedules: dict[tuple, object] = {}
+        self._schedules: dict[tuple, tuple[object, PipelineStage]] = {}
 
     def _schedule(self, shape: torch.Size, train: bool):
+        """The schedule for batches of ``shape`` and its stage."""
         key = (tuple(shape), train)
         if key not in self._schedules:
-            stage = PipelineStage(
-                self.module, self.stage_index, self.num_stages, self.device, group=self.group
+            stage = fix_stage_handshake(
+                PipelineStage(
+                    self.module, self.stage_index, self.num_stages, self.device, group=self.group
+                )
             )
             if train:
                 cls = Schedule1F1B if self.schedule_name == "1f1b" else ScheduleGPipe
-                self._schedules[key] = cls(stage, self.n_microbatches, loss_fn=self._loss)
+                schedule = cls(stage, self.n_microbatches, loss_fn=self._loss)
             else:  # forward only: as many equal micro-batches as the batch allows
-                n = math.gcd(shape[0], self.n_microbatches)
-                self._schedules[key] = ScheduleGPipe(stage, n)
+                schedule = ScheduleGPipe(stage, math.gcd(shape[0], self.n_microbatches))
+            self._schedules[key] = (schedule, stage)
         return self._schedules[key]
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -303,13 +307,21 @@ class Pipeline:
 
         ``loss_fn`` is a mean over its micro-batch; the schedule divides gradients by the number
         of micro-batches, so they are those of the mean over the batch. ``finalize=False`` leaves
-        FSDP's gradient reduction for a later step (gradient accumulation).
+        FSDP's gradient reduction (and that division) for a later step (gradient accumulation;
+        :func:`fsdp2lab.runtime.torch_compat.pipeline_step`).
         """
         self._loss_fn = loss_fn
-        schedule = self._schedule(x.shape, train=True)
+        schedule, stage = self._schedule(x.shape, train=True)
         losses: list[torch.Tensor] = []
         target = y if self.is_last else None
-        schedule.step(*self._inputs(x), target=target, losses=losses, finalize_gradients=finalize)
+        pipeline_step(
+            schedule,
+            stage,
+            *self._inputs(x),
+            target=target,
+            losses=losses,
+            finalize=finalize,
+        )
         loss = (
             torch.stack([t.detach().float() for t in losses]).mean()
             if self.is_last
@@ -321,7 +333,7 @@ class Pipeline:
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """The model's output for ``x`` on the last stage; ``None`` on the others."""
-        schedule = self._schedule(x.shape, train=False)
+        schedule, _ = self._schedule(x.shape, train=False)
         # A new schedule's first step infers shapes with a real forward and then drops the
         # stage's gradients: evaluation keeps them (they are part of the training state).
         grads = [(p, p.grad) for p in self.module.parameters()]

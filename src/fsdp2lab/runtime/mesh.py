@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp2lab.errors import UsageError
+from fsdp2lab.runtime.torch_compat import flatten_mesh
 
 
 @dataclass(frozen=True)
@@ -65,9 +66,9 @@ def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
     # A 2D (FSDP + TP) gradient reduces over dp_shard and tp (norms, inf checks); DTensor does that
     # in one collective, the same on every rank, only where the flattened mesh exists.
     if dims.tp > 1:
-        mesh["dp_shard", "tp"]._flatten()
+        flatten_mesh(mesh["dp_shard", "tp"])
         if dims.dp_replicate > 1:
-            mesh["dp_replicate", "dp_shard", "tp"]._flatten()
+            flatten_mesh(mesh["dp_replicate", "dp_shard", "tp"])
     return mesh
 
 

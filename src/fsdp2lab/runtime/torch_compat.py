@@ -1,0 +1,209 @@
+"""Every torch call that differs across the supported torch versions (2.8 to 2.15), in one place.
+
+Each function detects the feature it needs (a guarded import, ``hasattr``, ``inspect.signature``),
+never the version string. Where a feature is missing it takes the public path and says so in one
+line, printed once per process, on rank 0. Private torch APIs are used only here, each guarded.
+
+It imports nothing from the rest of fsdp2lab: ``parallel``, ``models`` and ``training`` import it.
+
+What each feature needs (the floor, ``torch>=2.8``, is the highest of the "needs" column):
+
+========================================  =======  ==============================================
+feature                                   needs    why
+========================================  =======  ==============================================
+FSDP2 on CPU (fully_shard over gloo)      2.7      CPU ``Stream.record_event`` (pytorch#145935);
+                                                   2.6 fails in ``foreach_all_gather``
+fully_shard(reshard_after_forward=None)   2.8      2.7 takes only bool/int (default True)
+FSDP2 gradients on gloo correct           2.8      FSDP2 asks for ReduceOp.AVG (fp32/bf16); gloo's
+                                                   reduce-scatter AVG returns the SUM up to 2.8
+                                                   (pytorch#162338) and all-reduce refuses AVG up
+                                                   to 2.7: ``set_force_sum_reduction_for_comms``
+                                                   (2.8) makes it SUM + divide
+                                                   (``parallel.fsdp2.reduce_with_sum``)
+custom collectives (the gloo rings)       2.9      ``set_custom_all_gather``/``_fsdp_api``;
+                                                   before, gloo's own (``set_custom_collectives``)
+parallelize_module/distribute_tensor      2.7      ``src_data_rank``
+torch.distributed.fsdp public FSDP2       2.6      (earlier torch.distributed._composable.fsdp)
+pipelining step(finalize_gradients=)      2.15     before: ``pipeline_step`` shadows the stage
+                                                   method that finishes the gradients
+pipelining on gloo                        !=2.9    2.9's first step sends int64 into float32
+                                                   (``fix_stage_handshake``)
+schedule ``scale_grads``                  2.7      2.6 sums the micro-batches' gradients
+get_total_norm / clip_grads_with_norm_    2.6
+P2POp(group_peer=)                        2.6
+DCP get/set_state_dict, flatten_optim...  <=2.6    ``async_save(process_group=)`` too (later:
+                                                   async_checkpointer_type 2.7, async_stager 2.9)
+DeviceMesh slicing, ``_flatten``          <=2.6    private: ``flatten_mesh``
+FSDPModule._set_unshard_async_op          <=2.6    private: ``set_unshard_async_op``
+Adam/AdamW fused=True on CPU              <=2.6    (on FSDP2's DTensor shards: tested from 2.8)
+torchdata StatefulDataLoader              0.8      its first release; 0.11 (tested) needs torch>=2
+========================================  =======  ==============================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+_noticed: set[str] = set()
+
+
+def notice(key: str, message: str) -> None:
+    """Print ``fsdp2lab: MESSAGE`` once per process and ``key``, on rank 0 only."""
+    if key in _noticed:
+        return
+    _noticed.add(key)
+    rank0 = dist.get_rank() == 0 if dist.is_initialized() else os.environ.get("RANK", "0") == "0"
+    if rank0:
+        print(f"fsdp2lab: {message}", flush=True)
+
+
+def _takes(fn: Callable, name: str) -> bool:
+    """Whether ``fn`` has a parameter called ``name`` (a ``**kwargs`` catch-all does not count)."""
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+# ------------------------------------------------ FSDP2 custom collectives (torch 2.9)
+# FSDPModule.set_custom_all_gather / set_custom_reduce_scatter (public) take implementations of
+# these interfaces, which torch does not re-export.
+try:
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as _AllGather
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatter
+except ImportError:
+    _AllGather = _ReduceScatter = None
+
+# The bases of custom collectives: torch's interfaces where it has them, else ``object``.
+AllGatherBase: type = _AllGather or object
+ReduceScatterBase: type = _ReduceScatter or object
+
+
+def set_custom_collectives(
+    module: FSDPModule, all_gather: Any, reduce_scatter: Any, name: str = "custom"
+) -> bool:
+    """Give FSDP2 ``module`` these collectives; False, with a notice, where this torch cannot."""
+    if (
+        _AllGather is None
+        or _ReduceScatter is None
+        or not hasattr(module, "set_custom_all_gather")
+        or not hasattr(module, "set_custom_reduce_scatter")
+    ):
+        notice(
+            "custom-collectives",
+            f"this torch's FSDP2 takes no custom collectives (FSDPModule.set_custom_all_gather, "
+            f"torch >= 2.9): the process group's own all-gather and reduce-scatter run, not the "
+            f"{name} ones",
+        )
+        return False
+    module.set_custom_all_gather(all_gather)
+    module.set_custom_reduce_scatter(reduce_scatter)
+    return True
+
+
+# -------------------------------------------------------------- FSDP2 private methods
+def set_unshard_async_op(module: FSDPModule, enabled: bool) -> bool:
+    """Issue FSDP2's pre-forward/pre-backward all-gathers asynchronously (a private method)."""
+    if not hasattr(module, "_set_unshard_async_op"):
+        notice(
+            "unshard-async-op",
+            "this torch's FSDP2 has no FSDPModule._set_unshard_async_op: prefetching all-gathers "
+            "run synchronously (the same results, less overlap on CPU)",
+        )
+        return False
+    module._set_unshard_async_op(enabled)
+    return True
+
+
+# -------------------------------------------------------------------------- DeviceMesh
+def flatten_mesh(mesh: Any) -> Any:
+    """The 1D mesh that flattens ``mesh``'s dimensions (``DeviceMesh._flatten``, private); None,
+    with a notice, where there is none.
+
+    DTensor then reduces over those dimensions in one collective; without it, one per dimension:
+    the same values.
+    """
+    if not hasattr(mesh, "_flatten"):
+        notice(
+            "mesh-flatten",
+            "this torch's DeviceMesh has no _flatten: DTensor reduces over several mesh "
+            "dimensions one dimension at a time",
+        )
+        return None
+    return mesh._flatten()
+
+
+# ------------------------------------------------------------------------- pipelining
+def fix_stage_handshake(stage: Any) -> Any:
+    """Make the first step's handshake between neighbouring stages match in dtype (gloo checks).
+
+    torch 2.9's ``PipelineStage._get_init_p2p_neighbors_ops`` (private) sends an int64 and receives
+    into a float32 tensor, which gloo refuses ("Received data size doesn't match expected size");
+    2.10 sends float32. Where its tensors differ, the sends are made float32 (the values are not
+    used); elsewhere (2.8 has no handshake, 2.10 is right) the stage is left as is.
+    """
+    init_ops = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    if init_ops is None or len({op.tensor.dtype for op in init_ops()}) <= 1:
+        return stage
+
+    def float32_ops() -> list:
+        ops = init_ops()
+        for op in ops:
+            op.tensor = op.tensor.float()
+        return ops
+
+    stage._get_init_p2p_neighbors_ops = float32_ops
+    return stage
+
+
+@contextlib.contextmanager
+def _shadowed(obj: Any, **methods: Callable) -> Iterator[None]:
+    """Shadow methods of ``obj`` with instance attributes for the duration, then remove them."""
+    for name, fn in methods.items():
+        setattr(obj, name, fn)
+    try:
+        yield
+    finally:
+        for name in methods:
+            delattr(obj, name)
+
+
+def pipeline_step(schedule: Any, stage: Any, *args: Any, finalize: bool, **kwargs: Any) -> Any:
+    """``schedule.step(*args, **kwargs)``; with ``finalize=False`` (a gradient-accumulation step
+    before the last one) FSDP's gradient reduction and the schedule's division of the gradients by
+    the micro-batch count are left for the finalizing step.
+
+    ``step(finalize_gradients=)`` does that from torch 2.15. Before, every step finishes the
+    gradients, which the non-final steps here avoid by shadowing the stage's public method that
+    does it: 2.10-2.14 ``PipelineStage.perform_reduce_grad`` (FSDP reduction and division); 2.8-2.9
+    the last micro-batch's ``backward_one_chunk(last_backward=True)`` (FSDP reduction) and
+    ``scale_grads`` (division). FSDP keeps the unsharded gradients (and parameters) until the
+    finalizing step, as 2.15 does.
+    """
+    if _takes(schedule.step, "finalize_gradients"):
+        return schedule.step(*args, finalize_gradients=finalize, **kwargs)
+    if finalize or not isinstance(stage.submod, FSDPModule):
+        return schedule.step(*args, **kwargs)
+    if hasattr(stage, "perform_reduce_grad"):
+        with _shadowed(stage, perform_reduce_grad=lambda grad_scale_factor: None):
+            return schedule.step(*args, **kwargs)
+    if _takes(stage.backward_one_chunk, "last_backward") and hasattr(stage, "scale_grads"):
+        backward_one_chunk = stage.backward_one_chunk
+
+        def not_last(*a: Any, **kw: Any) -> Any:
+            return backward_one_chunk(*a, **{**kw, "last_backward": False})
+
+        with _shadowed(stage, backward_one_chunk=not_last, scale_grads=lambda *a, **kw: None):
+            return schedule.step(*args, **kwargs)
+    raise RuntimeError(
+        "this torch's pipeline schedules cannot leave FSDP's gradient reduction for a later step "
+        "(no finalize_gradients, perform_reduce_grad or backward_one_chunk(last_backward)): "
+        "use --grad-accum-steps 1 with --pp"
+    )

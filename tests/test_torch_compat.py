@@ -1,0 +1,306 @@
+"""fsdp2lab.runtime.torch_compat: each version-dependent call, with this torch and with the feature
+taken away (the fallback runs and says so once).
+
+In-process, on a one-rank gloo group; the pipeline tests run a one-stage pipeline with FSDP2.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+from torch.distributed.tensor import DTensor
+
+from conftest import cli_env
+
+pytestmark = pytest.mark.compat  # .ci/run runs these again on other torch versions
+from fsdp2lab.parallel.fsdp2 import apply_fsdp
+from fsdp2lab.parallel.gloo_ring import RingAllGather, RingReduceScatter, use_ring_collectives
+from fsdp2lab.runtime import torch_compat
+from fsdp2lab.runtime.torch_compat import (
+    fix_stage_handshake,
+    flatten_mesh,
+    notice,
+    pipeline_step,
+    set_unshard_async_op,
+)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    """A one-rank gloo process group and its 1D CPU mesh."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def fresh_notices(monkeypatch):
+    monkeypatch.setattr(torch_compat, "_noticed", set())
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _sharded(mesh) -> nn.Sequential:
+    model = _model()
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _lines(out: str, text: str) -> int:
+    return sum(text in line for line in out.splitlines())
+
+
+def test_notice_is_printed_once_and_only_on_rank_0(monkeypatch, capsys):
+    notice("k", "something fell back")
+    notice("k", "something fell back")
+    assert capsys.readouterr().out == "fsdp2lab: something fell back\n"
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    notice("other", "not on rank 1")
+    assert capsys.readouterr().out == ""
+
+
+# ------------------------------------------------------------------- custom collectives
+def test_ring_collectives_are_installed_where_fsdp2_takes_them(mesh, capsys):
+    supported = hasattr(FSDPModule, "set_custom_all_gather")
+    assert use_ring_collectives(_sharded(mesh)) is supported
+    assert _lines(capsys.readouterr().out, "takes no custom collectives") == (not supported)
+
+
+@pytest.mark.parametrize("missing", ["fsdp_api", "setter"])
+def test_without_custom_collectives_gloo_runs_its_own_and_says_so_once(
+    mesh, monkeypatch, capsys, missing
+):
+    if missing == "fsdp_api":  # the private interfaces cannot be imported
+        monkeypatch.setattr(torch_compat, "_AllGather", None)
+    else:  # FSDP2 has no set_custom_all_gather
+        monkeypatch.delattr(FSDPModule, "set_custom_all_gather", raising=False)
+    model = _sharded(mesh)
+    assert use_ring_collectives(model) is False
+    assert use_ring_collectives(_sharded(mesh)) is False
+    out = capsys.readouterr().out
+    assert _lines(out, "takes no custom collectives") == 1, out
+    assert "not the ring ones" in out
+    # Still trains: gloo's own collectives.
+    model(torch.randn(3, 4)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_the_ring_imports_without_the_private_fsdp_api():
+    code = (
+        "import sys, torch.distributed.fsdp\n"
+        "sys.modules['torch.distributed.fsdp._fully_shard._fsdp_api'] = None\n"
+        "from fsdp2lab.parallel import fsdp2, gloo_ring\n"
+        "from fsdp2lab.runtime import torch_compat\n"
+        "assert torch_compat.AllGatherBase is object and torch_compat.ReduceScatterBase is object\n"
+        "assert gloo_ring.RingAllGather.__mro__[-1] is object\n"
+        "print('imported')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), timeout=120
+    )
+    assert proc.returncode == 0 and "imported" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_ring_classes_implement_torchs_interfaces_where_it_has_them():
+    if torch_compat._AllGather is None:
+        pytest.skip("this torch has no FSDP2 custom-collective interfaces")
+    assert isinstance(RingAllGather(), torch_compat._AllGather)
+    assert isinstance(RingReduceScatter(), torch_compat._ReduceScatter)
+
+
+def test_fsdp2_on_gloo_asks_for_sum_reductions_only(mesh, monkeypatch):
+    """FSDP2 would ask gloo for ReduceOp.AVG, which torch 2.8's gloo reduce-scatter sums."""
+    calls = []
+
+    def spy(self, enable):
+        calls.append((id(self), enable))
+
+    monkeypatch.setattr(FSDPModule, "set_force_sum_reduction_for_comms", spy)
+    model = _model()
+    apply_fsdp(model, mesh, [model[0], model[2]], unit_policy="layer")
+    sharded = {id(m) for m in model.modules() if isinstance(m, FSDPModule)}
+    assert len(sharded) == 3
+    assert {i for i, _ in calls} == sharded and all(enable for _, enable in calls)
+
+
+# ---------------------------------------------------------------------- private methods
+def test_unshard_async_op_set_where_present_else_one_notice(mesh, monkeypatch, capsys):
+    model = _sharded(mesh)
+    assert set_unshard_async_op(model, True) is True
+    assert capsys.readouterr().out == ""
+    monkeypatch.delattr(FSDPModule, "_set_unshard_async_op")
+    assert set_unshard_async_op(model, True) is False
+    assert set_unshard_async_op(model, True) is False
+    assert _lines(capsys.readouterr().out, "_set_unshard_async_op") == 1
+    model(torch.randn(3, 4)).sum().backward()  # still runs, synchronously
+
+
+def test_flatten_mesh_where_present_else_one_notice(mesh, capsys):
+    mesh2d = init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b"))
+    flat = flatten_mesh(mesh2d["a", "b"])
+    assert flat.mesh_dim_names == ("a_b",) and flat.size() == 1
+    assert capsys.readouterr().out == ""
+    assert flatten_mesh(object()) is None
+    assert flatten_mesh(object()) is None
+    assert _lines(capsys.readouterr().out, "no _flatten") == 1
+
+
+# --------------------------------------------------------------------------- pipelining
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, target) / 2  # a mean, over 2 accumulation steps
+
+
+def _accumulate(mesh, monkeypatch, hide_native: bool):
+    """Two accumulation steps through a one-stage pipeline of 2 micro-batches, under FSDP2;
+    returns (sharded grads after the first step, after the second, the reference's)."""
+    data = [(torch.randn(4, 4), torch.randn(4, 2)) for _ in range(2)]
+    reference = _model()
+    for x, y in data:
+        _loss(reference(x), y).backward()
+    model = _sharded(mesh)
+    stage = PipelineStage(model, 0, 1, torch.device("cpu"))
+    schedule = ScheduleGPipe(stage, 2, loss_fn=_loss)
+    if hide_native:  # a step without finalize_gradients, as before torch 2.15
+        step = type(schedule).step
+        monkeypatch.setattr(schedule, "step", lambda *a, **kw: step(schedule, *a, **kw))
+    after = []
+    for i, (x, y) in enumerate(data):
+        pipeline_step(schedule, stage, x, target=y, losses=[], finalize=i == 1)
+        after.append([p.grad for p in model.parameters()])
+    assert not vars(stage).keys() & {"perform_reduce_grad", "backward_one_chunk", "scale_grads"}
+    return after[0], after[1], [p.grad for p in reference.parameters()]
+
+
+@pytest.mark.parametrize("how", ["native", "shadowed"])
+def test_pipeline_accumulation_reduces_and_divides_once_at_the_end(mesh, monkeypatch, how):
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    if how == "native" and not torch_compat._takes(
+        PipelineScheduleSingle.step, "finalize_gradients"
+    ):
+        pytest.skip("this torch's schedules have no finalize_gradients")
+    first, last, expected = _accumulate(mesh, monkeypatch, hide_native=how == "shadowed")
+    # Nothing reduced yet: no sharded (DTensor) gradient.
+    assert not any(isinstance(g, DTensor) for g in first), first
+    for got, want in zip(last, expected, strict=True):
+        torch.testing.assert_close(got.full_tensor(), want, rtol=1e-5, atol=1e-6)
+
+
+class _FakeSubmod:
+    pass
+
+
+class _Stage:
+    """The stage methods that finish the gradients in torch 2.8-2.9 and 2.10-2.14."""
+
+    def __init__(self):
+        self.submod = _FakeSubmod()
+        self.calls: list[tuple] = []
+
+    def backward_one_chunk(self, i, loss=None, full_backward=True, last_backward=False):
+        self.calls.append(("backward", i, last_backward))
+
+    def scale_grads(self, grad_scale_factor):
+        self.calls.append(("scale", grad_scale_factor))
+
+
+class _StageWithPerform(_Stage):
+    def perform_reduce_grad(self, grad_scale_factor):
+        self.calls.append(("perform", grad_scale_factor))
+
+
+class _Schedule:
+    """A 2-micro-batch step that finishes the gradients the way ``stage`` does it."""
+
+    def __init__(self, stage):
+        self.stage = stage
+
+    def step(self, *args, target=None, losses=None, **kwargs):
+        for i in range(2):
+            self.stage.backward_one_chunk(i, loss=None, last_backward=i == 1)
+        if hasattr(self.stage, "perform_reduce_grad"):
+            self.stage.perform_reduce_grad(2)
+        else:
+            self.stage.scale_grads(2)
+
+
+@pytest.mark.parametrize("era", ["2.8-2.9", "2.10-2.14"])
+def test_pipeline_step_defers_the_finish_with_the_older_stage_methods(monkeypatch, era):
+    monkeypatch.setattr(torch_compat, "FSDPModule", _FakeSubmod)
+    stage = _StageWithPerform() if era == "2.10-2.14" else _Stage()
+    schedule = _Schedule(stage)
+    pipeline_step(schedule, stage, finalize=False)
+    # 2.10-2.14 reduce in perform_reduce_grad only; 2.8-2.9 in the last backward.
+    last = era == "2.10-2.14"
+    assert stage.calls == [("backward", 0, False), ("backward", 1, last)]
+    assert not vars(stage).keys() & {"perform_reduce_grad", "backward_one_chunk", "scale_grads"}
+    stage.calls.clear()
+    pipeline_step(schedule, stage, finalize=True)
+    finish = ("perform", 2) if era == "2.10-2.14" else ("scale", 2)
+    assert stage.calls == [("backward", 0, False), ("backward", 1, True), finish]
+
+
+def test_pipeline_step_passes_finalize_gradients_where_the_schedule_takes_it():
+    seen = {}
+
+    class Schedule:
+        def step(self, *args, target=None, losses=None, finalize_gradients=True, **kwargs):
+            seen.update(args=args, target=target, finalize_gradients=finalize_gradients)
+
+    pipeline_step(Schedule(), object(), "x", target="y", finalize=False)
+    assert seen == {"args": ("x",), "target": "y", "finalize_gradients": False}
+
+
+def test_pipeline_step_without_fsdp_or_a_known_stage(monkeypatch):
+    stage = _Stage()  # its submod is no FSDPModule: the step runs as is
+    pipeline_step(_Schedule(stage), stage, finalize=False)
+    assert stage.calls[-1] == ("scale", 2)
+    monkeypatch.setattr(torch_compat, "FSDPModule", _FakeSubmod)
+
+    class Unknown:
+        submod = _FakeSubmod()
+
+        def backward_one_chunk(self, i, loss=None):
+            pass
+
+    unknown = Unknown()
+    with pytest.raises(RuntimeError, match="--grad-accum-steps 1 with --pp"):
+        pipeline_step(_Schedule(unknown), unknown, finalize=False)
+
+
+class _Handshake:
+    """A stage whose first-step handshake sends ``send`` into a float32 tensor (2.9: int64)."""
+
+    def __init__(self, send: torch.dtype):
+        self.send = send
+
+    def _get_init_p2p_neighbors_ops(self):
+        recv, send = torch.zeros(1), torch.tensor(1, dtype=self.send)
+        return [
+            dist.P2POp(dist.irecv, recv, group_peer=0),
+            dist.P2POp(dist.isend, send, group_peer=0),
+        ]
+
+
+def test_stage_handshake_dtypes_made_to_match_only_where_they_differ(mesh):
+    broken = fix_stage_handshake(_Handshake(torch.int64))
+    assert "_get_init_p2p_neighbors_ops" in vars(broken)
+    assert {op.tensor.dtype for op in broken._get_init_p2p_neighbors_ops()} == {torch.float32}
+    right = fix_stage_handshake(_Handshake(torch.float32))
+    assert "_get_init_p2p_neighbors_ops" not in vars(right)
+    plain = object()
+    assert fix_stage_handshake(plain) is plain  # torch 2.8: no handshake
