@@ -44,6 +44,10 @@ def preflight(cfg: TrainConfig, world_size: int) -> None:
             f"dataset {cfg.dataset!r} does not fit model {spec.name!r}; it takes: {', '.join(spec.datasets)}"
         )
     build_on_meta(lambda: spec.build(cfg))  # the model's own size checks, at no memory cost
+    if cfg.ckpt_dir:
+        from fsdp2lab.checkpoint.layout import check_writable
+
+        check_writable(cfg.ckpt_dir)
 
 
 def train_on_rank(cfg: TrainConfig):
@@ -81,7 +85,7 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         if launch_env.detect().rank == 0:
             return _error(str(e))
         return USAGE_EXIT_CODE
-    code = run_rank(launch, cfg.device, train_on_rank(cfg))
+    code = run_rank(launch, cfg.device, train_on_rank(cfg), cfg.collective_timeout)
     _exit_worker(code)
 
 

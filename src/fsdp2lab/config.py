@@ -117,7 +117,11 @@ class TrainConfig:
         None, "folder of DCP checkpoints (DIR/step-N); none: no checkpoints"
     )
     ckpt_every_steps: int | None = _opt(None, "also checkpoint every N optimizer steps")
-    keep_last: int | None = _opt(None, "keep only the newest K complete checkpoints")
+    keep_last: int = _opt(
+        3,
+        "keep the newest K complete checkpoints, delete older ones once a new one is complete "
+        "(0: keep all)",
+    )
     async_checkpoint: bool = _opt(False, "save with dcp.async_save while training goes on")
     resume: str = _opt("auto", "auto (newest complete checkpoint in --ckpt-dir) | never | PATH")
     # launch and runtime
@@ -126,6 +130,16 @@ class TrainConfig:
     )
     device: str = _opt(
         "auto", "auto (cuda if present) | cpu | cuda", choices=("auto", "cpu", "cuda")
+    )
+    collective_timeout: float = _opt(
+        120.0,
+        "seconds a collective may wait for a peer; a rank silent for half of it is reported "
+        "(start-up and checkpoint I/O get max(this, 600))",
+    )
+    on_nan: str = _opt(
+        "stop",
+        "a non-finite loss or gradient: stop (exit 1) | skip the step's update",
+        choices=("stop", "skip"),
     )
     # output
     metrics_file: str | None = _opt(None, "JSON-lines metrics written by rank 0")
@@ -269,11 +283,12 @@ _BOUNDS: dict[str, tuple[float | None, float | None, bool]] = {
             "n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "synthetic_size",
             "global_batch_size", "batch_size", "test_batch_size", "grad_accum_steps", "epochs",
             "max_steps", "dp_replicate", "tp", "pp", "pp_microbatches", "fsdp1_min_params",
-            "fsdp_unit_min_params", "ckpt_every_steps", "keep_last", "nproc_per_node",
+            "fsdp_unit_min_params", "ckpt_every_steps", "nproc_per_node",
             "log_every_steps",
         )
     },
-    **{name: (0, None, True) for name in ("lr", "weight_decay", "warmup_steps", "num_workers", "seed", "prefetch")},
+    **{name: (0, None, True) for name in ("lr", "weight_decay", "warmup_steps", "num_workers", "seed", "prefetch", "keep_last")},
+    "collective_timeout": (0, None, False),
     "gamma": (0, None, False),
     "max_grad_norm": (0, None, False),
     "momentum": (0, 1, True),
@@ -312,6 +327,6 @@ def validate_basic(cfg: TrainConfig) -> None:
     if cfg.dataset == "text" and not cfg.text_file:
         raise UsageError("--dataset text needs --text-file PATH")
     if not cfg.ckpt_dir:
-        for name in ("ckpt_every_steps", "keep_last", "async_checkpoint"):
+        for name in ("ckpt_every_steps", "async_checkpoint"):
             if getattr(cfg, name):
                 raise UsageError(f"--{name.replace('_', '-')} needs --ckpt-dir DIR")

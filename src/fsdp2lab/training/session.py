@@ -4,19 +4,35 @@ from __future__ import annotations
 
 from fsdp2lab.checkpoint.manager import CheckpointManager
 from fsdp2lab.config import TrainConfig
+from fsdp2lab.errors import TrainingFailed
 from fsdp2lab.runtime.distributed import Runtime
 from fsdp2lab.runtime.preemption import Preemption
+from fsdp2lab.runtime.watchdog import Watchdog
 from fsdp2lab.training.hooks import log0
+from fsdp2lab.training.nan_guard import NanGuard
 from fsdp2lab.training.trainer import Trainer
 
 
 def run_training(cfg: TrainConfig, runtime: Runtime) -> dict:
     log0(runtime, "fsdp2lab: resolved config\n" + cfg.to_toml() + "\n")
+    watchdog = Watchdog.start(runtime)  # reports a rank that stops responding
+    try:
+        return _train(cfg, runtime, watchdog)
+    finally:
+        watchdog.stop()
+
+
+def _train(cfg: TrainConfig, runtime: Runtime, watchdog: Watchdog) -> dict:
     checkpoints = CheckpointManager.from_config(cfg, runtime)  # None without checkpointing
     preemption = Preemption(runtime, checkpoints)  # USR1/TERM: checkpoint, requeue, stop
-    hooks = [checkpoints] if checkpoints else []
+    hooks = [NanGuard(runtime, cfg.on_nan), watchdog, *([checkpoints] if checkpoints else [])]
     trainer = Trainer(cfg, runtime, hooks=[*hooks, preemption])  # preemption after checkpoints
-    summary = trainer.fit()
+    try:
+        summary = trainer.fit()
+    except TrainingFailed:
+        if checkpoints:
+            checkpoints.close()  # a background save of an earlier, good step completes
+        raise
     if checkpoints:
         checkpoints.close()  # waits for a background save
     if cfg.save_model and not preemption.stopped:  # a preempted run saves when it finishes

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import sys
 import time
 from dataclasses import asdict
@@ -24,20 +23,12 @@ from fsdp2lab.models import get_spec, layer_units
 from fsdp2lab.models.materialize import build_on_meta, init_weights
 from fsdp2lab.parallel.fsdp2 import DTYPES, reshard_all
 from fsdp2lab.parallel.strategies import ParallelContext, check_world_size, get_strategy, label
+from fsdp2lab.runtime import faults
 from fsdp2lab.runtime.distributed import Runtime, on_rank0
 from fsdp2lab.runtime.mesh import ParallelDims, build_mesh, dp_rank
 from fsdp2lab.training import metrics as m
 from fsdp2lab.training.hooks import Hooks, StopTraining, TrainState, log0
 from fsdp2lab.training.optim import build_optimizer, build_scheduler
-
-
-def _fault_injection(rank: int, step: int) -> None:
-    """Testing aid: ``FSDP2LAB_FAIL_AT=RANK:STEP`` makes that rank raise at that step."""
-    spec = os.environ.get("FSDP2LAB_FAIL_AT")
-    if spec:
-        want_rank, want_step = (int(v) for v in spec.split(":"))
-        if rank == want_rank and step == want_step:
-            raise RuntimeError(f"injected failure on rank {rank} at step {step} (FSDP2LAB_FAIL_AT)")
 
 
 class Trainer:
@@ -150,7 +141,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ training
     def train_step(self, batches) -> tuple[torch.Tensor, int]:
-        """One optimizer step over K micro-batches; returns (this rank's mean loss, its samples)."""
+        """One optimizer step over K micro-batches; returns (this rank's mean loss, its samples),
+        0 samples when a hook dropped the update."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         k = self.cfg.grad_accum_steps
@@ -166,6 +158,7 @@ class Trainer:
             else:
                 with self.strategy.sync_context(self.model, micro == k - 1), self._autocast():
                     loss = self._loss(self.model(x), y) / k
+                    loss = faults.poison_loss(loss, self.runtime.rank, self.state.step + 1)
                     if self.scaler is not None:
                         self.scaler.scale(loss).backward()
                     else:
@@ -179,6 +172,9 @@ class Trainer:
             self.last_grad_norm = float(
                 self.strategy.clip_grad_norm(self.model, self.cfg.max_grad_norm)
             )
+        if any([hook.before_optimizer_step(self, loss_sum) for hook in self.hooks]):
+            self.optimizer.zero_grad(set_to_none=True)  # the update is dropped
+            return loss_sum, 0
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -227,9 +223,10 @@ class Trainer:
         for _ in range(steps_left):
             if self._done():
                 break
-            _fault_injection(rt.rank, st.step + 1)
+            faults.before_step(rt.rank, st.step + 1)
             loss, samples = self.train_step(batches)
-            loss_sum += loss.double() * samples
+            if samples:
+                loss_sum += loss.double() * samples
             sample_count += samples
             st.step += 1
             st.samples_seen += self.global_batch
