@@ -113,20 +113,23 @@ def test_kill_9_of_a_rank_mid_step_ends_the_job_and_resume_loses_nothing(referen
     same_losses([run, resumed], reference)
 
 
-def test_a_hung_rank_is_reported_once_by_the_watchdog_and_every_rank_ends(reference, tmp_path):
+@pytest.mark.parametrize("hung", [1, 0])  # rank 0 also hosts the c10d store
+def test_a_hung_rank_is_reported_once_by_the_watchdog_and_every_rank_ends(
+    reference, tmp_path, hung
+):
     timeout = 10
 
-    def stop_rank_1(proc):
-        os.kill(_workers(proc.pid)[1], signal.SIGSTOP)
+    def stop_it(proc):
+        os.kill(_workers(proc.pid)[hung], signal.SIGSTOP)
 
     run, took = train_and_act(
         tmp_path, *RUN, *CKPT, "--collective-timeout", str(timeout),
-        env=SLOW, at_step=3, act=stop_rank_1, name="hung",
+        env=SLOW, at_step=3, act=stop_it, name="hung",
     )  # fmt: skip
-    report(f"SIGSTOP of rank 1 (--collective-timeout {timeout}): job ended after", took)
+    report(f"SIGSTOP of rank {hung} (--collective-timeout {timeout}): job ended after", took)
     assert run.returncode == 3, run.stderr[-3000:]
     found = re.findall(
-        r"rank 1 stopped responding at step (\d+) \(no heartbeat for (\d+) s\)", run.stderr
+        rf"rank {hung} stopped responding at step (\d+) \(no heartbeat for (\d+) s\)", run.stderr
     )
     assert len(found) == 1 and int(found[0][0]) >= 2 and int(found[0][1]) >= timeout / 2
     assert "Traceback" not in run.stderr

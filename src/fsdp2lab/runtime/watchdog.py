@@ -1,17 +1,18 @@
 """Find a rank that stopped responding (hung, SIGSTOPped, dead, cut off) and end the job with one line.
 
-Every rank runs a daemon thread that beats: it writes ``"<count>:<step>"`` to its key in the c10d
-store (its own client connection to ``MASTER_ADDR:MASTER_PORT``). Rank 0 watches every rank and
-rank 1 watches rank 0. A rank whose value has not changed for half of ``--collective-timeout`` (by
-the watcher's own clock, so clocks need not agree), or a store that stopped answering for as long,
-is reported by that one watcher: ``rank 1 stopped responding at step 412 (no heartbeat for 60 s)``;
-then the watcher exits with ``EXIT_CODE`` and the launcher (ours, torchrun, srun) ends the others.
-Half the timeout: the report comes before any collective waiting on that rank times out.
+On every rank a daemon thread beats: it writes ``"<count>:<step>"`` to its key in the c10d store
+(its own client connection to ``MASTER_ADDR:MASTER_PORT``) and reads the beats it watches: rank 0
+watches every rank, rank 1 watches rank 0. A second thread, which never blocks on I/O, judges: a
+rank whose beat has not changed for half of ``--collective-timeout`` (by the watcher's own clock,
+so clocks need not agree) is reported by that one watcher, ``rank 1 stopped responding at step 412
+(no heartbeat for 60 s)``, and the watcher exits with ``EXIT_CODE``; the launcher (ours, torchrun,
+srun) ends the others. A store that stops answering (it lives in rank 0's process when rank 0
+hosts it) freezes every beat read through it, so rank 1 reports rank 0. Half the timeout: the
+report comes before any collective waiting on that rank times out.
 
 A rank blocked in a collective, waiting on a slow peer, still beats: only the peer is reported.
 ``Watchdog`` is also the hook that tells the beats the step, and that shortens the process groups'
-timeouts from the start-up one to ``--collective-timeout`` when the first epoch starts.
-"""
+timeouts from the start-up one to ``--collective-timeout`` when the first epoch starts."""
 
 from __future__ import annotations
 
@@ -45,7 +46,9 @@ class Watchdog(Hooks):
         self.beats = 0
         self.timeouts_shortened = False
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
+        # rank -> (its last beat, when that changed by this clock)
+        self.seen: dict[int, tuple[bytes | None, float]] = {}
         rank, world = runtime.rank, runtime.world_size
         self.watched = list(range(1, world)) if rank == 0 else [0] if rank == 1 else []
 
@@ -67,17 +70,26 @@ class Watchdog(Hooks):
             except Exception as e:  # training works without it; only hangs are found later
                 log0(runtime, f"fsdp2lab: warning: no watchdog, the c10d store is unreachable: {e}")
                 return dog
-            dog._thread = threading.Thread(target=dog._run, name="fsdp2lab-watchdog", daemon=True)
-            dog._thread.start()
+            now = time.monotonic()
+            dog.seen = {r: (None, now) for r in dog.watched}
+            dog._threads = [
+                threading.Thread(
+                    target=target, name=f"fsdp2lab-watchdog{target.__name__}", daemon=True
+                )
+                for target in (dog._exchange, dog._judge)
+            ]
+            for thread in dog._threads:
+                thread.start()
         return dog
 
     def stop(self) -> None:
         """This rank is done: say so (watchers then ignore it) and stop the thread."""
-        if self._thread is None:
+        if not self._threads:
             return
         self._stop.set()
-        self._thread.join()
-        self._thread = None
+        for thread in self._threads:
+            thread.join(timeout=5)  # the exchange may be blocked on a stopped store
+        self._threads = []
         with contextlib.suppress(Exception):  # rank 0's store may be gone: nobody watches then
             self.store.set(str(self.runtime.rank), DONE)
 
@@ -95,26 +107,21 @@ class Watchdog(Hooks):
         self.beats += 1
         self.store.set(str(self.runtime.rank), f"{self.beats}:{self.step}")
 
-    def _run(self) -> None:
-        now = time.monotonic()
-        last_ok = now
-        seen: dict[int, tuple[bytes | None, float]] = {r: (None, now) for r in self.watched}
+    def _exchange(self) -> None:
+        """Beat, and read the watched ranks' beats (a call may block while the store is stopped)."""
         while not self._stop.wait(self.interval):
-            now = time.monotonic()
-            try:
+            with contextlib.suppress(Exception):  # the judge notices when nothing changes
                 self._beat()
                 for r in self.watched:
                     value = self.store.get(str(r)) if self.store.check([str(r)]) else None
-                    if value != seen[r][0]:
-                        seen[r] = (value, now)
-                last_ok = now
-            except Exception:
-                # The store lives with rank 0 (or torchrun's agent on the first node).
-                value = seen[0][0] if 0 in seen else DONE.encode()
-                if value != DONE.encode() and now - last_ok > self.limit:
-                    self._report(0, value, now - last_ok)
-                continue
-            for r, (value, since) in seen.items():
+                    if value != self.seen[r][0]:
+                        self.seen[r] = (value, time.monotonic())
+
+    def _judge(self) -> None:
+        """Report a watched rank whose beat has not changed for ``limit`` (never blocks)."""
+        while not self._stop.wait(self.interval):
+            now = time.monotonic()
+            for r, (value, since) in list(self.seen.items()):
                 if value != DONE.encode() and now - since > self.limit:
                     self._report(r, value, now - since)
 
