@@ -24,7 +24,7 @@ class TrainState:
 
 
 class Hooks:
-    """Extension points (checkpointing, preemption). Each is called on every rank."""
+    """Extension points (checkpointing, preemption, observers). Each is called on every rank."""
 
     def before_fit(self, trainer: Trainer) -> None: ...
     def epoch_started(self, trainer: Trainer) -> None: ...  # data iterator made, no step yet
