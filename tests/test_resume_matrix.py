@@ -77,8 +77,15 @@ def matrix(tmp_path_factory) -> Path:
     straight: dict[int, dict] = {}
     for layout, (ranks, flags) in LAYOUTS.items():
         for opt, opt_flags in OPTIMIZERS.items():
-            ckpt = ["--ckpt-dir", str(out / f"ckpt-{layout}-{opt}"), "--ckpt-every-steps", str(SAVE_AT)]
-            straight.setdefault(ranks, {})[f"{layout}-{opt}"] = {"flags": [*flags, *opt_flags, *ckpt]}
+            ckpt = [
+                "--ckpt-dir",
+                str(out / f"ckpt-{layout}-{opt}"),
+                "--ckpt-every-steps",
+                str(SAVE_AT),
+            ]
+            straight.setdefault(ranks, {})[f"{layout}-{opt}"] = {
+                "flags": [*flags, *opt_flags, *ckpt]
+            }
     resumes: dict[int, dict] = {}
     for source, target in CELLS:
         ranks, flags = LAYOUTS[target]
@@ -99,7 +106,9 @@ def matrix(tmp_path_factory) -> Path:
 
 
 def _losses(out: Path, name: str) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(out / f"{name}.jsonl") if r["event"] == "step"}
+    return {
+        r["step"]: r["loss"] for r in read_metrics(out / f"{name}.jsonl") if r["event"] == "step"
+    }
 
 
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))

@@ -34,6 +34,10 @@ def preflight(cfg: TrainConfig, world_size: int) -> None:
     from fsdp2lab.parallel.strategies import check_world_size, get_strategy, validate
     from fsdp2lab.runtime.mesh import ParallelDims
 
+    if cfg.memory_snapshot:
+        from fsdp2lab.training.memory_snapshot import check_available
+
+        check_available(cfg.device)
     spec = get_spec(cfg.model)
     check_world_size(get_strategy(cfg.strategy), world_size)
     validate(cfg, world_size)

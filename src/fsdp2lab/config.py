@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import math
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -148,7 +149,19 @@ class TrainConfig:
         "auto", "progress bar: auto (when a terminal) | on | off", choices=("auto", "on", "off")
     )
     save_model: str | None = _opt(
-        None, "write a plain state dict at the end (default name <model>.pt; cnn: mnist_cnn.pt)"
+        None,
+        "write a plain state dict at the end (default name <model>.pt; cnn: mnist_cnn.pt)",
+        optional_value=True,
+    )
+    tensorboard: str | None = _opt(
+        None,
+        "rank 0 writes TensorBoard logs to DIR (without DIR: runs/<model>-<strategy>-<time>, or "
+        "with --ckpt-dir CKPT: CKPT's folder/runs/CKPT's name, the same on resume)",
+        optional_value=True,
+        metavar="DIR",
+    )
+    memory_snapshot: str | None = _opt(
+        None, "CUDA: record allocations and write torch's memory snapshot (a pickle) to FILE"
     )
 
     # ---- derived helpers -------------------------------------------------------------
@@ -186,7 +199,7 @@ class TrainConfig:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
-_SAVE_MODEL_DEFAULT = "<default>"
+_DEFAULT = "<default>"  # a flag given without its optional value
 
 
 def _field_type(f: dataclasses.Field) -> type:
@@ -210,14 +223,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         kind = _field_type(f)
         extra = {k: v for k, v in f.metadata.items() if k in ("choices", "metavar")}
         help_text = f"{f.metadata['help']} (default: {f.default})"
-        if name == "save_model":
+        if f.metadata.get("optional_value"):
+            metavar = f.metadata.get("metavar", "PATH")
             parser.add_argument(
-                flag,
-                nargs="?",
-                const=_SAVE_MODEL_DEFAULT,
-                default=None,
-                metavar="PATH",
-                help=help_text,
+                flag, nargs="?", const=_DEFAULT, default=None, metavar=metavar, help=help_text
             )
         elif kind is bool:
             parser.add_argument(
@@ -269,10 +278,21 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         if value is not None:
             values[name] = value
     cfg = TrainConfig(**values)
-    if cfg.save_model == _SAVE_MODEL_DEFAULT:
+    if cfg.save_model == _DEFAULT:
         cfg.save_model = "mnist_cnn.pt" if cfg.model == "cnn" else f"{cfg.model}.pt"
+    if cfg.tensorboard == _DEFAULT:
+        cfg.tensorboard = default_tensorboard_dir(cfg)
     validate_basic(cfg)
     return cfg
+
+
+def default_tensorboard_dir(cfg: TrainConfig) -> str:
+    """``--tensorboard`` without DIR: next to the checkpoints (so a resumed run continues the same
+    curves), else a new folder per run."""
+    if cfg.ckpt_dir:
+        ckpt = Path(cfg.ckpt_dir)
+        return str(ckpt.parent / "runs" / ckpt.name)
+    return f"runs/{cfg.model}-{cfg.strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 # Numeric flags and the values they take: (lowest, highest, lowest is allowed). None: unbounded.

@@ -26,7 +26,7 @@ class TrainState:
 
 
 class Hooks:
-    """Extension points (checkpointing, preemption, NaN guard, watchdog). Each is called on every rank."""
+    """Extension points (checkpointing, preemption, guards, observers), called on every rank."""
 
     def before_fit(self, trainer: Trainer) -> None: ...
     def epoch_started(self, trainer: Trainer) -> None: ...  # data iterator made, no step yet

@@ -8,9 +8,26 @@ from fsdp2lab.errors import TrainingFailed
 from fsdp2lab.runtime.distributed import Runtime
 from fsdp2lab.runtime.preemption import Preemption
 from fsdp2lab.runtime.watchdog import Watchdog
-from fsdp2lab.training.hooks import log0
+from fsdp2lab.training import progress
+from fsdp2lab.training.hooks import Hooks, log0
 from fsdp2lab.training.nan_guard import NanGuard
 from fsdp2lab.training.trainer import Trainer
+
+
+def observers(cfg: TrainConfig, runtime: Runtime) -> list[Hooks]:
+    """The hooks that watch a run: TensorBoard, the progress bar, the memory snapshot."""
+    hooks: list[Hooks] = []
+    if cfg.tensorboard:
+        from fsdp2lab.training.tensorboard import TensorBoardWriter
+
+        hooks.append(TensorBoardWriter(cfg.tensorboard))
+    if progress.wanted(cfg.progress, runtime.is_main):
+        hooks.append(progress.ProgressBar())
+    if cfg.memory_snapshot:
+        from fsdp2lab.training.memory_snapshot import MemorySnapshot
+
+        hooks.append(MemorySnapshot(cfg.memory_snapshot, runtime.rank))
+    return hooks
 
 
 def run_training(cfg: TrainConfig, runtime: Runtime) -> dict:
@@ -26,7 +43,8 @@ def _train(cfg: TrainConfig, runtime: Runtime, watchdog: Watchdog) -> dict:
     checkpoints = CheckpointManager.from_config(cfg, runtime)  # None without checkpointing
     preemption = Preemption(runtime, checkpoints)  # USR1/TERM: checkpoint, requeue, stop
     hooks = [NanGuard(runtime, cfg.on_nan), watchdog, *([checkpoints] if checkpoints else [])]
-    trainer = Trainer(cfg, runtime, hooks=[*hooks, preemption])  # preemption after checkpoints
+    # Observers after the checkpoint hook (they see the resumed state), preemption last.
+    trainer = Trainer(cfg, runtime, hooks=[*hooks, *observers(cfg, runtime), preemption])
     try:
         summary = trainer.fit()
     except TrainingFailed:
