@@ -45,7 +45,10 @@ def names(root: Path) -> list[str]:
 def reference(tmp_path_factory) -> tuple[Path, Run]:
     """Never stopped: 16 steps over 2 epochs; checkpoints at 3, 6, 8 (epoch end), 9, ..., 16."""
     where = tmp_path_factory.mktemp("reference")
-    run = train(where, *TWO_RANKS, "--ckpt-dir", "ckpt", "--save-model", "final.pt", name="ref")
+    run = train(
+        where, *TWO_RANKS, "--ckpt-dir", "ckpt", "--keep-last", "0", "--save-model", "final.pt",
+        name="ref",
+    )  # fmt: skip
     return where, run
 
 

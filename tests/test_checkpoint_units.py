@@ -107,8 +107,7 @@ def test_resume_choices_that_would_overwrite_checkpoints_are_refused(ckpt_dir: P
 
 
 def test_checkpoint_flags_need_a_directory():
-    with pytest.raises(UsageError, match="--keep-last needs --ckpt-dir DIR"):
-        validate_basic(TrainConfig(keep_last=2))
+    validate_basic(TrainConfig(keep_last=2))  # the default applies only with --ckpt-dir
     with pytest.raises(UsageError, match="--ckpt-every-steps must be >= 1, got 0"):
         validate_basic(TrainConfig(ckpt_dir="x", ckpt_every_steps=0))
     with pytest.raises(UsageError, match="--async-checkpoint needs --ckpt-dir DIR"):

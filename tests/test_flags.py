@@ -22,7 +22,8 @@ BAD = [
     (["--tp", "0"], "--tp must be >= 1, got 0"),
     (["--pp-microbatches", "0"], "--pp-microbatches must be >= 1, got 0"),
     (["--epochs", "0"], "--epochs must be >= 1, got 0"),
-    (["--ckpt-dir", "c", "--keep-last", "0"], "--keep-last must be >= 1, got 0"),
+    (["--ckpt-dir", "c", "--keep-last", "-1"], "--keep-last must be >= 0, got -1"),
+    (["--collective-timeout", "0"], "--collective-timeout must be > 0, got 0.0"),
     (["--dp-shard", "0"], "--dp-shard must be >= 1 or -1 (the rest), got 0"),
 ]
 

@@ -34,6 +34,10 @@ def preflight(cfg: TrainConfig, world_size: int) -> None:
     from fsdp2lab.parallel.strategies import check_world_size, get_strategy, validate
     from fsdp2lab.runtime.mesh import ParallelDims
 
+    if cfg.memory_snapshot:
+        from fsdp2lab.training.memory_snapshot import check_available
+
+        check_available(cfg.device)
     spec = get_spec(cfg.model)
     check_world_size(get_strategy(cfg.strategy), world_size)
     validate(cfg, world_size)
@@ -44,6 +48,10 @@ def preflight(cfg: TrainConfig, world_size: int) -> None:
             f"dataset {cfg.dataset!r} does not fit model {spec.name!r}; it takes: {', '.join(spec.datasets)}"
         )
     build_on_meta(lambda: spec.build(cfg))  # the model's own size checks, at no memory cost
+    if cfg.ckpt_dir:
+        from fsdp2lab.checkpoint.layout import check_writable
+
+        check_writable(cfg.ckpt_dir)
 
 
 def train_on_rank(cfg: TrainConfig):
@@ -81,7 +89,7 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         if launch_env.detect().rank == 0:
             return _error(str(e))
         return USAGE_EXIT_CODE
-    code = run_rank(launch, cfg.device, train_on_rank(cfg))
+    code = run_rank(launch, cfg.device, train_on_rank(cfg), cfg.collective_timeout)
     _exit_worker(code)
 
 

@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import math
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,7 +118,11 @@ class TrainConfig:
         None, "folder of DCP checkpoints (DIR/step-N); none: no checkpoints"
     )
     ckpt_every_steps: int | None = _opt(None, "also checkpoint every N optimizer steps")
-    keep_last: int | None = _opt(None, "keep only the newest K complete checkpoints")
+    keep_last: int = _opt(
+        3,
+        "keep the newest K complete checkpoints, delete older ones once a new one is complete "
+        "(0: keep all)",
+    )
     async_checkpoint: bool = _opt(False, "save with dcp.async_save while training goes on")
     resume: str = _opt("auto", "auto (newest complete checkpoint in --ckpt-dir) | never | PATH")
     # launch and runtime
@@ -127,6 +132,16 @@ class TrainConfig:
     device: str = _opt(
         "auto", "auto (cuda if present) | cpu | cuda", choices=("auto", "cpu", "cuda")
     )
+    collective_timeout: float = _opt(
+        120.0,
+        "seconds a collective may wait for a peer; a rank silent for half of it is reported "
+        "(start-up and checkpoint I/O get max(this, 600))",
+    )
+    on_nan: str = _opt(
+        "stop",
+        "a non-finite loss or gradient: stop (exit 1) | skip the step's update",
+        choices=("stop", "skip"),
+    )
     # output
     metrics_file: str | None = _opt(None, "JSON-lines metrics written by rank 0")
     log_every_steps: int = _opt(10, "metrics-file step line every N optimizer steps")
@@ -134,7 +149,19 @@ class TrainConfig:
         "auto", "progress bar: auto (when a terminal) | on | off", choices=("auto", "on", "off")
     )
     save_model: str | None = _opt(
-        None, "write a plain state dict at the end (default name <model>.pt; cnn: mnist_cnn.pt)"
+        None,
+        "write a plain state dict at the end (default name <model>.pt; cnn: mnist_cnn.pt)",
+        optional_value=True,
+    )
+    tensorboard: str | None = _opt(
+        None,
+        "rank 0 writes TensorBoard logs to DIR (without DIR: runs/<model>-<strategy>-<time>, or "
+        "with --ckpt-dir CKPT: CKPT's folder/runs/CKPT's name, the same on resume)",
+        optional_value=True,
+        metavar="DIR",
+    )
+    memory_snapshot: str | None = _opt(
+        None, "CUDA: record allocations and write torch's memory snapshot (a pickle) to FILE"
     )
 
     # ---- derived helpers -------------------------------------------------------------
@@ -172,7 +199,7 @@ class TrainConfig:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
-_SAVE_MODEL_DEFAULT = "<default>"
+_DEFAULT = "<default>"  # a flag given without its optional value
 
 
 def _field_type(f: dataclasses.Field) -> type:
@@ -196,14 +223,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         kind = _field_type(f)
         extra = {k: v for k, v in f.metadata.items() if k in ("choices", "metavar")}
         help_text = f"{f.metadata['help']} (default: {f.default})"
-        if name == "save_model":
+        if f.metadata.get("optional_value"):
+            metavar = f.metadata.get("metavar", "PATH")
             parser.add_argument(
-                flag,
-                nargs="?",
-                const=_SAVE_MODEL_DEFAULT,
-                default=None,
-                metavar="PATH",
-                help=help_text,
+                flag, nargs="?", const=_DEFAULT, default=None, metavar=metavar, help=help_text
             )
         elif kind is bool:
             parser.add_argument(
@@ -255,10 +278,21 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         if value is not None:
             values[name] = value
     cfg = TrainConfig(**values)
-    if cfg.save_model == _SAVE_MODEL_DEFAULT:
+    if cfg.save_model == _DEFAULT:
         cfg.save_model = "mnist_cnn.pt" if cfg.model == "cnn" else f"{cfg.model}.pt"
+    if cfg.tensorboard == _DEFAULT:
+        cfg.tensorboard = default_tensorboard_dir(cfg)
     validate_basic(cfg)
     return cfg
+
+
+def default_tensorboard_dir(cfg: TrainConfig) -> str:
+    """``--tensorboard`` without DIR: next to the checkpoints (so a resumed run continues the same
+    curves), else a new folder per run."""
+    if cfg.ckpt_dir:
+        ckpt = Path(cfg.ckpt_dir)
+        return str(ckpt.parent / "runs" / ckpt.name)
+    return f"runs/{cfg.model}-{cfg.strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 # Numeric flags and the values they take: (lowest, highest, lowest is allowed). None: unbounded.
@@ -269,11 +303,12 @@ _BOUNDS: dict[str, tuple[float | None, float | None, bool]] = {
             "n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "synthetic_size",
             "global_batch_size", "batch_size", "test_batch_size", "grad_accum_steps", "epochs",
             "max_steps", "dp_replicate", "tp", "pp", "pp_microbatches", "fsdp1_min_params",
-            "fsdp_unit_min_params", "ckpt_every_steps", "keep_last", "nproc_per_node",
+            "fsdp_unit_min_params", "ckpt_every_steps", "nproc_per_node",
             "log_every_steps",
         )
     },
-    **{name: (0, None, True) for name in ("lr", "weight_decay", "warmup_steps", "num_workers", "seed", "prefetch")},
+    **{name: (0, None, True) for name in ("lr", "weight_decay", "warmup_steps", "num_workers", "seed", "prefetch", "keep_last")},
+    "collective_timeout": (0, None, False),
     "gamma": (0, None, False),
     "max_grad_norm": (0, None, False),
     "momentum": (0, 1, True),
@@ -312,6 +347,6 @@ def validate_basic(cfg: TrainConfig) -> None:
     if cfg.dataset == "text" and not cfg.text_file:
         raise UsageError("--dataset text needs --text-file PATH")
     if not cfg.ckpt_dir:
-        for name in ("ckpt_every_steps", "keep_last", "async_checkpoint"):
+        for name in ("ckpt_every_steps", "async_checkpoint"):
             if getattr(cfg, name):
                 raise UsageError(f"--{name.replace('_', '-')} needs --ckpt-dir DIR")

@@ -68,11 +68,25 @@ def register(subparsers) -> None:
 
     report = subparsers.add_parser(
         "report",
-        help="results.csv, summary.md and PNG plots of a bench results folder",
-        description="Write RESULTS/results.csv (one row per run), RESULTS/summary.md (tables with "
-        "ratios) and RESULTS/plots/*.png (one line per strategy against world size).",
+        help="results.csv, summary.md and PNG plots of a bench results folder; or the loss "
+        "curves of several runs in one plot",
+        description="With a bench results folder: write RESULTS/results.csv (one row per run), "
+        "RESULTS/summary.md (tables with ratios) and RESULTS/plots/*.png (one line per strategy "
+        "against world size). With runs (metrics files, TensorBoard log folders, bench run "
+        "folders): overlay their loss curves against step and wall time in --out.",
     )
-    report.add_argument("results", metavar="RESULTS", help="folder written by `fsdp2lab bench`")
+    report.add_argument(
+        "results",
+        metavar="RESULTS|RUN",
+        nargs="+",
+        help="folder written by `fsdp2lab bench`, or runs to overlay",
+    )
+    report.add_argument(
+        "--out",
+        default="loss-curves.png",
+        metavar="FILE.png",
+        help="runs: the plot to write (default: loss-curves.png)",
+    )
     report.add_argument(
         "--peak-tflops",
         type=float,
@@ -182,9 +196,21 @@ def _print_report(written: dict) -> None:
         print(f"wrote {path}")
 
 
+def _is_run(path: Path) -> bool:
+    """A metrics file, event file, or folder of either (else: a bench results folder)."""
+    if path.is_dir():
+        return (path / "metrics.jsonl").is_file() or any(path.glob("events.out.tfevents*"))
+    return path.is_file()
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from fsdp2lab.bench.report import write_report
 
-    peak = args.peak_tflops * 1e12 if args.peak_tflops else None
-    _print_report(write_report(Path(args.results), peak))
+    if len(args.results) == 1 and not _is_run(Path(args.results[0])):
+        peak = args.peak_tflops * 1e12 if args.peak_tflops else None
+        _print_report(write_report(Path(args.results[0]), peak))
+        return 0
+    from fsdp2lab.bench.curves import plot_curves
+
+    print(f"wrote {plot_curves(args.results, Path(args.out))}")
     return 0

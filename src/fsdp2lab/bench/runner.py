@@ -126,7 +126,7 @@ def run_sweep(
     resume: bool = False,
     threads_per_rank: int | None = None,
 ) -> list[dict]:
-    """Run every planned run in turn; print one progress line each; return their statuses."""
+    """Run every planned run in turn; print one line each; return their statuses."""
     previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         return _run_all(runs, out, launcher, timeout_s, srun_args, resume, threads_per_rank)
@@ -136,55 +136,62 @@ def run_sweep(
 
 
 def _run_all(runs, out, launcher, timeout_s, srun_args, resume, threads_per_rank) -> list[dict]:
+    """One line per run on stdout; on a terminal, a bar across the runs (done, ETA) on stderr."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(runs), unit="run", file=sys.stderr, disable=not sys.stderr.isatty())
+    job = (out, launcher, timeout_s, srun_args, resume, threads_per_rank)
+    try:
+        return [_one_run(i, run, len(runs), bar, *job) for i, run in enumerate(runs, 1)]
+    finally:
+        bar.close()
+
+
+def _one_run(i, run, n, bar, out, launcher, timeout_s, srun_args, resume, threads_per_rank) -> dict:
     from fsdp2lab.bench.results import read_metrics, step_time
 
-    statuses = []
-    device = device_name()
-    width = len(str(len(runs)))
-    started = time.monotonic()
-    for i, run in enumerate(runs, 1):
-        folder = out / run.run_id
-        prefix = f"[{i:>{width}}/{len(runs)}] {run.run_id}"
-        status_file = folder / "status.json"
-        if resume and status_file.exists() and json.loads(status_file.read_text())["ok"]:
-            print(f"{prefix}: done before, kept", flush=True)
-            statuses.append(json.loads(status_file.read_text()))
-            continue
-        if folder.exists():
-            shutil.rmtree(folder)
-        folder.mkdir(parents=True)
-        (folder / "config.toml").write_text(to_toml(run.values))
-        cmd = command(run, folder, launcher, srun_args)
-        (folder / "command.txt").write_text(shlex.join(cmd) + "\n")
-        print(f"{prefix} ...", end="", flush=True)
-        t0 = time.monotonic()
-        try:
-            code = _run_job(cmd, folder, _env(launcher, threads_per_rank), timeout_s)
-        except Interrupted as stop:
-            print(f" stopped by {stop}", flush=True)
-            raise
-        wall = time.monotonic() - t0
-        records = read_metrics(folder / "metrics.jsonl")
-        ok = code == 0 and any(r["event"] == "summary" for r in records)
-        status = {
-            **asdict(run),
-            "ok": ok,
-            "returncode": code,
-            "wall_s": round(wall, 3),
-            "launcher": launcher,
-            "device_name": device,
-            "error": None if ok else (_last_error(folder) or f"exit code {code}, no summary"),
-        }
-        status_file.write_text(json.dumps(status, indent=1) + "\n")
-        statuses.append(status)
-        elapsed = time.monotonic() - started
-        left = elapsed / i * (len(runs) - i)
-        if ok:
-            step = step_time(records)
-            note = (
-                f"ok in {wall:.1f} s, {step * 1000:.1f} ms/step" if step else f"ok in {wall:.1f} s"
-            )
-        else:
-            note = f"FAILED ({'timed out' if code == 'timeout' else f'exit {code}'}): {status['error']}"
-        print(f" {note}  [{elapsed:.0f} s elapsed, about {left:.0f} s left]", flush=True)
-    return statuses
+    def say(line: str) -> None:
+        bar.write(line, file=sys.stdout)
+        sys.stdout.flush()
+
+    folder = out / run.run_id
+    prefix = f"[{i:>{len(str(n))}}/{n}] {run.run_id}"
+    status_file = folder / "status.json"
+    bar.set_description(run.run_id)
+    if resume and status_file.exists() and json.loads(status_file.read_text())["ok"]:
+        say(f"{prefix}: done before, kept")
+        bar.update(1)
+        return json.loads(status_file.read_text())
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    (folder / "config.toml").write_text(to_toml(run.values))
+    cmd = command(run, folder, launcher, srun_args)
+    (folder / "command.txt").write_text(shlex.join(cmd) + "\n")
+    t0 = time.monotonic()
+    try:
+        code = _run_job(cmd, folder, _env(launcher, threads_per_rank), timeout_s)
+    except Interrupted as stop:
+        say(f"{prefix} ... stopped by {stop}")
+        raise
+    wall = time.monotonic() - t0
+    records = read_metrics(folder / "metrics.jsonl")
+    ok = code == 0 and any(r["event"] == "summary" for r in records)
+    status = {
+        **asdict(run),
+        "ok": ok,
+        "returncode": code,
+        "wall_s": round(wall, 3),
+        "launcher": launcher,
+        "device_name": device_name(),
+        "error": None if ok else (_last_error(folder) or f"exit code {code}, no summary"),
+    }
+    status_file.write_text(json.dumps(status, indent=1) + "\n")
+    if ok:
+        step = step_time(records)
+        note = f"ok in {wall:.1f} s, {step * 1000:.1f} ms/step" if step else f"ok in {wall:.1f} s"
+    else:
+        note = f"FAILED ({'timed out' if code == 'timeout' else f'exit {code}'}): {status['error']}"
+    say(f"{prefix} ... {note}")
+    bar.update(1)
+    return status

@@ -122,6 +122,19 @@ def remove_unfinished(root: Path) -> list[Path]:
     return doomed
 
 
+def check_writable(root: str | os.PathLike) -> None:
+    """Create ``root`` if needed and write a file in it: a UsageError now, not at the first save."""
+    root = Path(root)
+    probe = root / f".write-test-{os.uname().nodename}-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"fsdp2lab")
+        probe.unlink()
+    except OSError as e:
+        reason = e.strerror or str(e)
+        raise UsageError(f"--ckpt-dir {root} is not writable: {reason}") from None
+
+
 # ---------------------------------------------------------------------------- reading
 @dataclass
 class Checkpoint:

@@ -2,8 +2,14 @@
 
 Save: every rank writes its own shards of ``DIR/step-N`` with ``torch.distributed.checkpoint``;
 then rank 0 marks the folder ``COMPLETE``, points ``DIR/latest`` at it and prunes old ones
-(``--keep-last``). With ``--async-checkpoint`` the state is copied to memory at once and written
-by a background thread over its own gloo group, at most one save in flight.
+(``--keep-last``, only now that a newer one is complete). Saves run over their own gloo group with
+the long I/O timeout. With ``--async-checkpoint`` the state is copied to memory at once and
+written by a background thread, at most one save in flight.
+
+A save that fails (disk full, I/O error: DCP tells every rank) is reported in one line, its
+unfinished folder is removed, and training goes on: the previous checkpoint stays the one
+``--resume auto`` takes. If the run's last save failed, the run ends with exit code 1. Weights that
+are not finite are never saved.
 
 Resume: rank 0 picks the checkpoint (``--resume auto | never | PATH``) and checks it; every rank
 loads it (DCP reshards to this run's world size, mesh and strategy) and the data position is
@@ -12,8 +18,9 @@ restored in global samples, so the run goes on from the same sample.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import os
+import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -24,13 +31,16 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from fsdp2lab.checkpoint import layout
 from fsdp2lab.checkpoint import state as ckpt_state
 from fsdp2lab.config import TrainConfig
-from fsdp2lab.errors import UsageError
-from fsdp2lab.runtime.distributed import Runtime, on_rank0
+from fsdp2lab.errors import TrainingFailed, UsageError
+from fsdp2lab.runtime import faults
+from fsdp2lab.runtime.distributed import Runtime, new_io_group, on_rank0
 from fsdp2lab.training.hooks import Hooks, log0
+from fsdp2lab.training.nan_guard import all_finite
 
 if TYPE_CHECKING:
     from fsdp2lab.training.trainer import Trainer
@@ -79,8 +89,9 @@ class CheckpointManager(Hooks):
     def __init__(self, cfg: TrainConfig, runtime: Runtime):
         self.cfg, self.runtime = cfg, runtime
         self.root = Path(cfg.ckpt_dir) if cfg.ckpt_dir else None
-        # Background saves talk over their own group, never interleaving with training's.
-        self.group = dist.new_group(backend="gloo") if cfg.async_checkpoint else None
+        # Saves talk over their own group (background ones never interleave with training's).
+        self.group = new_io_group(runtime)
+        self.failed: str | None = None  # why the newest save failed
         self.in_flight: _InFlight | None = None
         self.last_saved_step: int | None = None
         self.rng_at_epoch_start: Callable[[], None] | None = None
@@ -130,8 +141,12 @@ class CheckpointManager(Hooks):
         self.save(trainer)
 
     def close(self) -> None:
-        """Wait for a background save to finish (and mark it complete)."""
+        """Wait for a background save to finish (and mark it complete); a TrainingFailed if the
+        run's last save failed."""
         self._wait()
+        failed, self.failed = self.failed, None
+        if failed:
+            raise TrainingFailed(f"the run's last checkpoint was not saved: {failed}")
 
     # ------------------------------------------------------------------ save
     def save(self, trainer: Trainer) -> None:
@@ -145,20 +160,26 @@ class CheckpointManager(Hooks):
         if layout.is_complete(path):
             log0(self.runtime, f"fsdp2lab: checkpoint: {path} already exists; not saved again")
             return
+        if not all_finite(trainer.model.parameters(), trainer.device):
+            log0(self.runtime, f"fsdp2lab: checkpoint: {path} not saved: non-finite weights")
+            return
         info = ckpt_state.marker_info(trainer)
         started = time.perf_counter()
         devices = [trainer.device.index or 0] if trainer.device.type == "cuda" else []
         # Saving must not disturb the training RNG streams (a run with checkpoints == without).
         with torch.random.fork_rng(devices=devices):
             state = ckpt_state.capture(trainer, self._scheduler_state(trainer))
-            writer = _writer(path, self.runtime.rank, step)
-            if self.group is not None:
+            writer = faults.checkpoint_writer(path, self.runtime.rank, step)
+            if self.cfg.async_checkpoint:
                 # The state is copied to memory before async_save returns; training goes on.
                 future = dcp.async_save(state, storage_writer=writer, process_group=self.group)
                 self.in_flight = _InFlight(future, path, info, started)
-            else:
-                dcp.save(state, storage_writer=writer)
-                self._complete(path, info, started)
+                return
+            try:
+                dcp.save(state, storage_writer=writer, process_group=self.group)
+            except (CheckpointException, OSError) as e:
+                return self._failed(path, e)
+        self._complete(path, info, started)
 
     def _scheduler_state(self, trainer: Trainer) -> dict | None:
         """Mid-epoch, the scheduler as it was right after this step (None: the live one)."""
@@ -175,15 +196,46 @@ class CheckpointManager(Hooks):
         if self.in_flight is None:
             return
         flight, self.in_flight = self.in_flight, None
-        flight.future.result()
+        try:
+            flight.future.result()
+        except (CheckpointException, OSError) as e:
+            return self._failed(flight.path, e)
         self._complete(flight.path, flight.info, flight.started)
+
+    def _failed(self, path: Path, error: BaseException) -> None:
+        """A save failed on some rank (every rank gets here): say so once, drop its folder."""
+        where = ""
+        if isinstance(error, CheckpointException):
+            rank, (error, _) = next(iter(error.failures.items()))
+            where = f"rank {rank}: "
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        try:
+            free = f" ({shutil.disk_usage(self.root).free / 1e6:.1f} MB free)"
+        except OSError:
+            free = ""
+        self.failed = f"{path}: {where}{reason}{free}"
+        if self.runtime.is_main:
+            # If this fails too, --resume skips the unfinished folder and the next start removes it.
+            with contextlib.suppress(OSError):
+                layout.remove(path)
+            newest = layout.read_latest(self.root) or "none"
+            log0(
+                self.runtime,
+                f"fsdp2lab: warning: checkpoint not saved: {self.failed}; training goes on, "
+                f"--resume auto would take {newest}",
+            )
 
     def _complete(self, path: Path, info: dict, started: float) -> None:
         """Rank 0, once every rank has written (DCP's last step is collective): mark, point, prune."""
+        self.failed = None
         if not self.runtime.is_main:
             return
-        marker = layout.mark_complete(path, info)
-        layout.set_latest(self.root, path)
+        try:
+            marker = layout.mark_complete(path, info)
+            layout.set_latest(self.root, path)
+        except OSError as e:
+            return self._failed(path, e)
+        self.failed = None
         size = sum(marker["files"].values())
         log0(
             self.runtime,
@@ -277,20 +329,3 @@ def _mesh_text(mesh: dict | None) -> str:
     if not mesh:
         return "?"
     return " x ".join(f"{n}={s}" for n, s in zip(mesh["names"], mesh["shape"], strict=False))
-
-
-def _writer(path: Path, rank: int, step: int) -> dcp.FileSystemWriter:
-    """DCP's file writer; ``FSDP2LAB_CKPT_CRASH_AT=RANK:STEP`` (a testing aid) makes that rank
-    die right after writing its shards of that step, before the save is complete."""
-    spec = os.environ.get("FSDP2LAB_CKPT_CRASH_AT")
-    if spec and [int(v) for v in spec.split(":")] == [rank, step]:
-        return _CrashAfterWrite(path)
-    return dcp.FileSystemWriter(path)
-
-
-class _CrashAfterWrite(dcp.FileSystemWriter):
-    def write_data(self, plan, planner):
-        written = super().write_data(plan, planner)
-        written.wait()
-        print(f"[rank {dist.get_rank()}] dying mid-save (FSDP2LAB_CKPT_CRASH_AT)", flush=True)
-        os._exit(43)

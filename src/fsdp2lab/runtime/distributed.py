@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,6 +21,7 @@ class Runtime:
     local_rank: int
     device: torch.device
     backend: str
+    collective_timeout_s: float = 120.0
 
     @property
     def is_main(self) -> bool:
@@ -40,19 +40,48 @@ def pick_device(preference: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def init(launch: LaunchEnv, device_preference: str = "auto") -> Runtime:
-    """Start the process group for this rank (a one-rank group for a single process)."""
+# Start-up (rendezvous, data download, checkpoint load) and checkpoint I/O wait at least this long.
+IO_TIMEOUT_S = 600.0
+_io_groups: list = []
+
+
+def io_timeout(collective_timeout_s: float) -> timedelta:
+    return timedelta(seconds=max(collective_timeout_s, IO_TIMEOUT_S))
+
+
+def new_io_group(runtime: Runtime) -> dist.ProcessGroup:
+    """A gloo group for slow work (checkpoint saves) that keeps the long timeout."""
+    group = dist.new_group(backend="gloo", timeout=io_timeout(runtime.collective_timeout_s))
+    _io_groups.append(group)
+    return group
+
+
+def shorten_timeouts(runtime: Runtime) -> None:
+    """Once training starts: every group but the I/O ones waits at most --collective-timeout."""
+    timeout = timedelta(seconds=runtime.collective_timeout_s)
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group not in _io_groups and dist.get_rank(group) >= 0:
+            dist.set_timeout(timeout, group)
+
+
+def init(
+    launch: LaunchEnv, device_preference: str = "auto", collective_timeout_s: float = 120.0
+) -> Runtime:
+    """Start the process group for this rank (a one-rank group for a single process), with the
+    long start-up timeout; ``shorten_timeouts`` applies ``collective_timeout_s`` later."""
     export(launch)
     device = pick_device(device_preference, launch.local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    timeout = timedelta(seconds=float(os.environ.get("FSDP2LAB_PG_TIMEOUT_S", "600")))
+    timeout = io_timeout(collective_timeout_s)
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(
         backend, rank=launch.rank, world_size=launch.world_size, timeout=timeout, **kwargs
     )
-    return Runtime(launch.rank, launch.world_size, launch.local_rank, device, backend)
+    return Runtime(
+        launch.rank, launch.world_size, launch.local_rank, device, backend, collective_timeout_s
+    )
 
 
 def destroy() -> None:

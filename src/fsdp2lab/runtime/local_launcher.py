@@ -62,9 +62,14 @@ def launch(nproc: int, argv: list[str]) -> int:
 def _wait(procs: list[subprocess.Popen]) -> int:
     while True:
         codes = [p.poll() for p in procs]
-        failed = [c for c in codes if c not in (None, 0)]
+        failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
         if failed:
-            return failed[0] if failed[0] > 0 else 1
+            rank, code = failed[0]
+            if code > 0:
+                return code
+            name = signal.Signals(-code).name if -code in signal.valid_signals() else -code
+            print(f"fsdp2lab: error: rank {rank} was killed by {name}", file=sys.stderr, flush=True)
+            return 1
         if all(c == 0 for c in codes):
             return 0
         time.sleep(0.05)

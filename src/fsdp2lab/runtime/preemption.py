@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from fsdp2lab.runtime import faults
 from fsdp2lab.runtime.distributed import Runtime
 from fsdp2lab.training.hooks import Hooks, StopTraining, log0
 
@@ -70,11 +71,6 @@ def requeue(job_id: str, signum: int) -> str:
     return f"job {job_id} requeued; it resumes from the checkpoint"
 
 
-def _step_delay() -> float:
-    """Testing aid: ``FSDP2LAB_STEP_DELAY_S=S`` sleeps S seconds after each step (to signal mid-run)."""
-    return float(os.environ.get("FSDP2LAB_STEP_DELAY_S", "0") or 0)
-
-
 class Preemption(Hooks):
     """Stop cleanly on SIGUSR1/SIGTERM: checkpoint, requeue under Slurm, raise ``StopTraining``."""
 
@@ -83,7 +79,7 @@ class Preemption(Hooks):
         self.checkpoints = checkpoints
         self.received = 0  # the first signal number received, 0 for none
         self.stopped = False
-        self.delay = _step_delay()
+        self.delay = faults.step_delay()  # testing aid: time to signal mid-run
         # The flag travels on a CPU group: no GPU synchronisation each step.
         self.group = None
         if runtime.world_size > 1 and dist.get_backend() != "gloo":

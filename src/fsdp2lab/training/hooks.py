@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from fsdp2lab.runtime.distributed import Runtime
 
 if TYPE_CHECKING:
@@ -24,10 +26,14 @@ class TrainState:
 
 
 class Hooks:
-    """Extension points (checkpointing, preemption). Each is called on every rank."""
+    """Extension points (checkpointing, preemption, guards, observers), called on every rank."""
 
     def before_fit(self, trainer: Trainer) -> None: ...
     def epoch_started(self, trainer: Trainer) -> None: ...  # data iterator made, no step yet
+    def before_optimizer_step(self, trainer: Trainer, loss: torch.Tensor) -> bool:
+        """Gradients are ready; return True to drop this step's update."""
+        return False
+
     def after_step(self, trainer: Trainer) -> None: ...
     def after_epoch(self, trainer: Trainer) -> None: ...
     def after_fit(self, trainer: Trainer) -> None: ...

@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+
+from fsdp2lab.parallel.strategies import label
+
+if TYPE_CHECKING:
+    from fsdp2lab.training.trainer import Trainer
 
 
 def _local_bytes(t: torch.Tensor) -> int:
@@ -20,24 +29,104 @@ def _local_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def sharded_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes this rank holds of parameters, gradients and optimizer state."""
-    total = 0
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds of parameters, gradients and optimizer state (its shards)."""
+    params = grads = opt = 0
     for p in model.parameters():
-        total += _local_bytes(p)
+        params += _local_bytes(p)
         if p.grad is not None:
-            total += _local_bytes(p.grad)
+            grads += _local_bytes(p.grad)
     for state in optimizer.state.values():
-        total += sum(_local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
-    return total
+        opt += sum(_local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+    return {"param_bytes": params, "grad_bytes": grads, "optimizer_state_bytes": opt}
+
+
+def _peak_rss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
     """``max_memory_allocated`` on a GPU; peak resident set size of this process on CPU."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
+    return _peak_rss_bytes()
+
+
+class MemoryMeter:
+    """This rank's memory since it was made: peak allocated and reserved (CUDA) or peak RSS and
+    its growth (CPU), with the bytes of its parameter, gradient and optimizer-state shards."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.rss_start = _peak_rss_bytes() if device.type != "cuda" else 0
+
+    def measure(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        stats = {"peak_memory_bytes": peak_memory_bytes(self.device)}
+        if self.device.type == "cuda":
+            stats["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(self.device))
+        else:
+            stats["rss_growth_bytes"] = stats["peak_memory_bytes"] - self.rss_start
+        return {**stats, **state_bytes(model, optimizer)}
+
+
+def per_rank(mine: dict, world_size: int) -> dict[str, list]:
+    """Every rank's ``mine``, gathered (a collective: all ranks call it), as key -> list by rank."""
+    gathered: list = [mine]
+    if world_size > 1:
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, mine)
+    return {key: [g[key] for g in gathered] for key in mine}
+
+
+class Throughput:
+    """Global samples (and tokens, for language models) per second since the last mark."""
+
+    def __init__(self, tokens_per_sample: int | None):
+        self.tokens_per_sample = tokens_per_sample
+        self.mark(0)
+
+    def mark(self, samples_seen: int) -> None:
+        self.at, self.samples = time.perf_counter(), samples_seen
+
+    def since_mark(self, samples_seen: int) -> dict[str, float]:
+        """The rates since the last mark, which moves here."""
+        now = time.perf_counter()
+        rates = {"samples_per_s": (samples_seen - self.samples) / max(now - self.at, 1e-9)}
+        if self.tokens_per_sample:
+            rates["tokens_per_s"] = rates["samples_per_s"] * self.tokens_per_sample
+        self.mark(samples_seen)
+        return rates
+
+
+def summarize(t: Trainer) -> dict:
+    """The run's summary record; a collective (every rank's memory is gathered)."""
+    memory = per_rank(t.memory.measure(t.model, t.optimizer), t.runtime.world_size)
+    parts = zip(
+        memory["param_bytes"], memory["grad_bytes"], memory["optimizer_state_bytes"], strict=True
+    )
+    memory["sharded_state_bytes"] = [sum(p) for p in parts]
+    epochs_run = len(t.epoch_times)
+    return {
+        "strategy": t.cfg.strategy,
+        "label": label(t.cfg, t.dims),
+        "world_size": t.runtime.world_size,
+        "mesh": {"shape": list(t.mesh.shape), "names": list(t.mesh.mesh_dim_names)},
+        "model": t.cfg.model,
+        "dataset": t.data_choice.name,
+        "mixed_precision": t.cfg.mixed_precision,
+        "global_batch_size": t.global_batch,
+        "params_total": t.params_total,
+        **memory,  # per rank: peak memory, RSS growth or peak reserved, state bytes
+        "final_test_loss": t.last_eval.get("test_loss", math.nan),
+        "final_test_accuracy": t.last_eval.get("test_accuracy", math.nan),
+        "train_time_s": t.train_time_s,
+        "time_per_epoch_s": sum(t.epoch_times) / epochs_run if epochs_run else math.nan,
+        "samples_per_s": t.state.samples_seen / t.train_time_s if t.train_time_s else math.nan,
+        "steps": t.state.step,
+        "device": t.device.type,
+        "state": asdict(t.state),
+    }
 
 
 class MetricsWriter:
@@ -48,11 +137,12 @@ class MetricsWriter:
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
-    def write(self, event: str, **fields) -> None:
-        if self.path is None:
-            return
+    def write(self, event: str, **fields) -> dict:
+        """Write the record (where enabled) and return it, ``time`` included."""
         record = {"event": event, "time": time.time(), **fields}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        return record

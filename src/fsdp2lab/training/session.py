@@ -4,19 +4,53 @@ from __future__ import annotations
 
 from fsdp2lab.checkpoint.manager import CheckpointManager
 from fsdp2lab.config import TrainConfig
+from fsdp2lab.errors import TrainingFailed
 from fsdp2lab.runtime.distributed import Runtime
 from fsdp2lab.runtime.preemption import Preemption
-from fsdp2lab.training.hooks import log0
+from fsdp2lab.runtime.watchdog import Watchdog
+from fsdp2lab.training import progress
+from fsdp2lab.training.hooks import Hooks, log0
+from fsdp2lab.training.nan_guard import NanGuard
 from fsdp2lab.training.trainer import Trainer
+
+
+def observers(cfg: TrainConfig, runtime: Runtime) -> list[Hooks]:
+    """The hooks that watch a run: TensorBoard, the progress bar, the memory snapshot."""
+    hooks: list[Hooks] = []
+    if cfg.tensorboard:
+        from fsdp2lab.training.tensorboard import TensorBoardWriter
+
+        hooks.append(TensorBoardWriter(cfg.tensorboard))
+    if progress.wanted(cfg.progress, runtime.is_main):
+        hooks.append(progress.ProgressBar())
+    if cfg.memory_snapshot:
+        from fsdp2lab.training.memory_snapshot import MemorySnapshot
+
+        hooks.append(MemorySnapshot(cfg.memory_snapshot, runtime.rank))
+    return hooks
 
 
 def run_training(cfg: TrainConfig, runtime: Runtime) -> dict:
     log0(runtime, "fsdp2lab: resolved config\n" + cfg.to_toml() + "\n")
+    watchdog = Watchdog.start(runtime)  # reports a rank that stops responding
+    try:
+        return _train(cfg, runtime, watchdog)
+    finally:
+        watchdog.stop()
+
+
+def _train(cfg: TrainConfig, runtime: Runtime, watchdog: Watchdog) -> dict:
     checkpoints = CheckpointManager.from_config(cfg, runtime)  # None without checkpointing
     preemption = Preemption(runtime, checkpoints)  # USR1/TERM: checkpoint, requeue, stop
-    hooks = [checkpoints] if checkpoints else []
-    trainer = Trainer(cfg, runtime, hooks=[*hooks, preemption])  # preemption after checkpoints
-    summary = trainer.fit()
+    hooks = [NanGuard(runtime, cfg.on_nan), watchdog, *([checkpoints] if checkpoints else [])]
+    # Observers after the checkpoint hook (they see the resumed state), preemption last.
+    trainer = Trainer(cfg, runtime, hooks=[*hooks, *observers(cfg, runtime), preemption])
+    try:
+        summary = trainer.fit()
+    except TrainingFailed:
+        if checkpoints:
+            checkpoints.close()  # a background save of an earlier, good step completes
+        raise
     if checkpoints:
         checkpoints.close()  # waits for a background save
     if cfg.save_model and not preemption.stopped:  # a preempted run saves when it finishes

@@ -1,17 +1,14 @@
 """The training loop: mesh -> model (meta, parallelised, materialised) -> data -> steps -> evaluation.
 
 Read top to bottom: ``Trainer.__init__`` builds everything, ``fit`` runs epochs of ``train_step``
-and ``evaluate``, ``summary`` measures. Checkpointing and preemption attach through ``hooks``.
+and ``evaluate``, ``summary`` measures. Checkpointing, preemption and observers (progress bar,
+TensorBoard, memory snapshot) attach through ``hooks``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-import os
-import sys
 import time
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -23,7 +20,8 @@ from fsdp2lab.data.sampler import DistributedBatchSampler, eval_shards
 from fsdp2lab.models import get_spec, layer_units
 from fsdp2lab.models.materialize import build_on_meta, init_weights
 from fsdp2lab.parallel.fsdp2 import DTYPES, reshard_all
-from fsdp2lab.parallel.strategies import ParallelContext, check_world_size, get_strategy, label
+from fsdp2lab.parallel.strategies import ParallelContext, check_world_size, get_strategy
+from fsdp2lab.runtime import faults
 from fsdp2lab.runtime.distributed import Runtime, on_rank0
 from fsdp2lab.runtime.mesh import ParallelDims, build_mesh, dp_rank
 from fsdp2lab.training import metrics as m
@@ -31,20 +29,12 @@ from fsdp2lab.training.hooks import Hooks, StopTraining, TrainState, log0
 from fsdp2lab.training.optim import build_optimizer, build_scheduler
 
 
-def _fault_injection(rank: int, step: int) -> None:
-    """Testing aid: ``FSDP2LAB_FAIL_AT=RANK:STEP`` makes that rank raise at that step."""
-    spec = os.environ.get("FSDP2LAB_FAIL_AT")
-    if spec:
-        want_rank, want_step = (int(v) for v in spec.split(":"))
-        if rank == want_rank and step == want_step:
-            raise RuntimeError(f"injected failure on rank {rank} at step {step} (FSDP2LAB_FAIL_AT)")
-
-
 class Trainer:
     def __init__(self, cfg: TrainConfig, runtime: Runtime, hooks: list[Hooks] | None = None):
         self.cfg = cfg
         self.runtime = runtime
         self.device = runtime.device
+        self.memory = m.MemoryMeter(self.device)  # RSS growth counts from here
         self.hooks = list(hooks or [])
         self.spec = get_spec(cfg.model)
         self.strategy = get_strategy(cfg.strategy)
@@ -96,6 +86,12 @@ class Trainer:
         )
         self.state = TrainState()
         self.metrics = m.MetricsWriter(cfg.metrics_file, runtime.is_main)
+        # What observers read (TensorBoard, the progress bar): this rank's last step loss and
+        # the last step and epoch records as written to the metrics file.
+        self.last_loss: torch.Tensor | None = None
+        self.last_step_record: dict = {}
+        self.last_epoch_record: dict = {}
+        self.throughput = m.Throughput(cfg.seq_len if cfg.model == "gpt" else None)
         # Dropout differs per rank (as it would on separate GPUs) but is reproducible.
         torch.manual_seed(cfg.seed * 1000 + runtime.rank)
         self.epoch_times: list[float] = []
@@ -105,8 +101,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup helpers
     def _total_steps(self) -> int:
-        per_epoch = self.sampler.steps_per_epoch
-        steps = per_epoch * self.cfg.epochs
+        steps = self.sampler.steps_per_epoch * self.cfg.epochs
         return min(steps, self.cfg.max_steps) if self.cfg.max_steps else steps
 
     def describe(self) -> str:
@@ -150,7 +145,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ training
     def train_step(self, batches) -> tuple[torch.Tensor, int]:
-        """One optimizer step over K micro-batches; returns (this rank's mean loss, its samples)."""
+        """One optimizer step over K micro-batches; returns (this rank's mean loss, its samples),
+        0 samples when a hook dropped the update."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         k = self.cfg.grad_accum_steps
@@ -166,6 +162,7 @@ class Trainer:
             else:
                 with self.strategy.sync_context(self.model, micro == k - 1), self._autocast():
                     loss = self._loss(self.model(x), y) / k
+                    loss = faults.poison_loss(loss, self.runtime.rank, self.state.step + 1)
                     if self.scaler is not None:
                         self.scaler.scale(loss).backward()
                     else:
@@ -179,6 +176,9 @@ class Trainer:
             self.last_grad_norm = float(
                 self.strategy.clip_grad_norm(self.model, self.cfg.max_grad_norm)
             )
+        if any([hook.before_optimizer_step(self, loss_sum) for hook in self.hooks]):
+            self.optimizer.zero_grad(set_to_none=True)  # the update is dropped
+            return loss_sum, 0
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -217,29 +217,27 @@ class Trainer:
         batches = iter(self.loader)
         for hook in self.hooks:
             hook.epoch_started(self)
-        steps_left = (
-            len(self.train_set) // self.global_batch
-        ) - st.epoch_samples // self.global_batch
-        progress = _Progress(rt.is_main and _want_progress(cfg.progress), st.epoch, steps_left)
+        steps_left = self.sampler.steps_per_epoch - st.epoch_samples // self.global_batch
         t0 = time.perf_counter()
+        self.throughput.mark(st.samples_seen)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         sample_count = 0
         for _ in range(steps_left):
             if self._done():
                 break
-            _fault_injection(rt.rank, st.step + 1)
+            faults.before_step(rt.rank, st.step + 1)
             loss, samples = self.train_step(batches)
-            loss_sum += loss.double() * samples
+            self.last_loss = loss
+            if samples:
+                loss_sum += loss.double() * samples
             sample_count += samples
             st.step += 1
             st.samples_seen += self.global_batch
             st.epoch_samples += self.global_batch
             if st.step % cfg.log_every_steps == 0:
                 self._log_step(loss)
-            progress.update(loss)
             for hook in self.hooks:
                 hook.after_step(self)
-        progress.close()
         epoch_time = time.perf_counter() - t0
         total_loss, total_count = self._all_reduce_sum([float(loss_sum), float(sample_count)])
         train_loss = total_loss / max(total_count, 1)
@@ -255,7 +253,7 @@ class Trainer:
         samples_per_s = epoch_samples / epoch_time if epoch_time > 0 else 0.0
         log0(rt, f"Epoch {st.epoch} time: {epoch_time:.2f}s ({samples_per_s:,.0f} samples/s)\n")
         self.epoch_times.append(epoch_time)
-        self.metrics.write(
+        self.last_epoch_record = self.metrics.write(
             "epoch",
             epoch=st.epoch,
             step=st.step,
@@ -275,9 +273,14 @@ class Trainer:
             hook.after_epoch(self)
 
     def _log_step(self, loss: torch.Tensor) -> None:
+        """The step record: mean loss, grad norm, lr, throughput since the last one, and every
+        rank's memory (gathered)."""
         (mean_loss,) = self._all_reduce_sum([float(loss)])
         mean_loss /= self.runtime.world_size
-        self.metrics.write(
+        memory = m.per_rank(
+            self.memory.measure(self.model, self.optimizer), self.runtime.world_size
+        )
+        self.last_step_record = self.metrics.write(
             "step",
             step=self.state.step,
             epoch=self.state.epoch,
@@ -285,6 +288,8 @@ class Trainer:
             grad_norm=self.last_grad_norm,
             lr=self.optimizer.param_groups[0]["lr"],
             samples_seen=self.state.samples_seen,
+            **self.throughput.since_mark(self.state.samples_seen),
+            **memory,
         )
 
     # ------------------------------------------------------------------ evaluation
@@ -322,64 +327,4 @@ class Trainer:
 
     # ------------------------------------------------------------------ measurement
     def summary(self) -> dict:
-        mine = {
-            "sharded_state_bytes": m.sharded_state_bytes(self.model, self.optimizer),
-            "peak_memory_bytes": m.peak_memory_bytes(self.device),
-        }
-        gathered: list = [None] * self.runtime.world_size
-        if self.runtime.world_size > 1:
-            dist.all_gather_object(gathered, mine)
-        else:
-            gathered = [mine]
-        epochs_run = len(self.epoch_times)
-        trained_samples = self.state.samples_seen
-        return {
-            "strategy": self.cfg.strategy,
-            "label": label(self.cfg, self.dims),
-            "world_size": self.runtime.world_size,
-            "mesh": {"shape": list(self.mesh.shape), "names": list(self.mesh.mesh_dim_names)},
-            "model": self.cfg.model,
-            "dataset": self.data_choice.name,
-            "mixed_precision": self.cfg.mixed_precision,
-            "global_batch_size": self.global_batch,
-            "params_total": self.params_total,
-            "sharded_state_bytes": [g["sharded_state_bytes"] for g in gathered],
-            "peak_memory_bytes": [g["peak_memory_bytes"] for g in gathered],
-            "final_test_loss": self.last_eval.get("test_loss", math.nan),
-            "final_test_accuracy": self.last_eval.get("test_accuracy", math.nan),
-            "train_time_s": self.train_time_s,
-            "time_per_epoch_s": sum(self.epoch_times) / epochs_run if epochs_run else math.nan,
-            "samples_per_s": trained_samples / self.train_time_s if self.train_time_s else math.nan,
-            "steps": self.state.step,
-            "device": self.device.type,
-            "state": asdict(self.state),
-        }
-
-
-def _want_progress(setting: str) -> bool:
-    return setting == "on" or (setting == "auto" and sys.stderr.isatty())
-
-
-class _Progress:
-    """A one-line progress bar on stderr (rank 0, when attached to a terminal)."""
-
-    def __init__(self, enabled: bool, epoch: int, total: int):
-        self.enabled, self.epoch, self.total, self.done, self.last = enabled, epoch, total, 0, 0.0
-
-    def update(self, loss: torch.Tensor) -> None:
-        self.done += 1
-        if not self.enabled or (time.monotonic() - self.last < 0.2 and self.done < self.total):
-            return
-        self.last = time.monotonic()
-        width = 30
-        filled = int(width * self.done / max(self.total, 1))
-        bar = "#" * filled + "." * (width - filled)
-        sys.stderr.write(
-            f"\rEpoch {self.epoch} [{bar}] {self.done}/{self.total} loss {float(loss):.4f}"
-        )
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+        return m.summarize(self)

@@ -1,0 +1,39 @@
+"""``--memory-snapshot FILE`` (CUDA): record every allocation from the start of training and
+write torch's memory snapshot at the end (open it at https://pytorch.org/memory_viz). Rank 0
+writes FILE, rank r > 0 writes FILE.rank<r>."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from fsdp2lab.errors import UsageError
+from fsdp2lab.training.hooks import Hooks, log0
+
+if TYPE_CHECKING:
+    from fsdp2lab.training.trainer import Trainer
+
+
+def check_available(device: str) -> None:
+    """A UsageError unless this run will train on CUDA (checked before any worker starts)."""
+    if device == "cpu" or not torch.cuda.is_available():
+        raise UsageError(
+            "--memory-snapshot needs a CUDA device (torch.cuda.memory); this run trains on CPU. "
+            "On CPU, the summary and --tensorboard show peak RSS and its growth per rank"
+        )
+
+
+class MemorySnapshot(Hooks):
+    def __init__(self, path: str, rank: int):
+        self.path = Path(path if rank == 0 else f"{path}.rank{rank}")
+
+    def before_fit(self, trainer: Trainer) -> None:
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+
+    def after_fit(self, trainer: Trainer) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(str(self.path))
+        torch.cuda.memory._record_memory_history(enabled=None)
+        log0(trainer.runtime, f"fsdp2lab: memory snapshot written to {self.path}")
