@@ -20,8 +20,6 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 from torch.distributed.tensor import DTensor
 
 from conftest import cli_env
-
-pytestmark = pytest.mark.compat  # .ci/run runs these again on other torch versions
 from fsdp2lab.parallel.fsdp2 import apply_fsdp
 from fsdp2lab.parallel.gloo_ring import RingAllGather, RingReduceScatter, use_ring_collectives
 from fsdp2lab.runtime import torch_compat
@@ -32,6 +30,8 @@ from fsdp2lab.runtime.torch_compat import (
     pipeline_step,
     set_unshard_async_op,
 )
+
+pytestmark = pytest.mark.compat  # .ci/run runs these again on other torch versions
 
 
 @pytest.fixture(scope="module")
