@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from datetime import timedelta
 
 import pytest
 import torch
@@ -24,10 +25,13 @@ from fsdp2lab.parallel.fsdp2 import apply_fsdp
 from fsdp2lab.parallel.gloo_ring import RingAllGather, RingReduceScatter, use_ring_collectives
 from fsdp2lab.runtime import torch_compat
 from fsdp2lab.runtime.torch_compat import (
+    cuda_memory_history,
     fix_stage_handshake,
     flatten_mesh,
     notice,
     pipeline_step,
+    process_groups,
+    set_group_timeout,
     set_unshard_async_op,
 )
 
@@ -304,3 +308,49 @@ def test_stage_handshake_dtypes_made_to_match_only_where_they_differ(mesh):
     assert "_get_init_p2p_neighbors_ops" not in vars(right)
     plain = object()
     assert fix_stage_handshake(plain) is plain  # torch 2.8: no handshake
+
+
+# ---------------------------------------------------------------------- process groups
+def test_group_timeout_public_then_private_then_a_notice(mesh, monkeypatch, capsys):
+    timeout = timedelta(seconds=77)
+    assert set_group_timeout(dist.group.WORLD, timeout) is True
+    calls = []
+    monkeypatch.delattr(dist, "set_timeout", raising=False)  # before torch 2.14
+    monkeypatch.setattr(
+        dist.distributed_c10d, "_set_pg_timeout", lambda t, g: calls.append((t, g)), raising=False
+    )
+    assert set_group_timeout(dist.group.WORLD, timeout) is True
+    assert calls == [(timeout, dist.group.WORLD)]
+    monkeypatch.delattr(dist.distributed_c10d, "_set_pg_timeout")
+    assert set_group_timeout(dist.group.WORLD, timeout) is False
+    assert set_group_timeout(dist.group.WORLD, timeout) is False
+    assert _lines(capsys.readouterr().out, "cannot change a process group's timeout") == 1
+
+
+def test_process_groups_listed_else_the_default_one_with_a_notice(mesh, monkeypatch, capsys):
+    assert dist.group.WORLD in process_groups()
+    assert capsys.readouterr().out == ""
+    world = dist.distributed_c10d._world
+
+    class WithoutPgMap:  # the private registry without the attribute process_groups reads
+        def __getattr__(self, name):
+            if name == "pg_map":
+                raise AttributeError(name)
+            return getattr(world, name)
+
+    monkeypatch.setattr(dist.distributed_c10d, "_world", WithoutPgMap())
+    assert process_groups() == [dist.group.WORLD]
+    assert process_groups() == [dist.group.WORLD]
+    assert _lines(capsys.readouterr().out, "does not list its process groups") == 1
+
+
+def test_memory_snapshot_refused_up_front_without_the_cuda_memory_history(monkeypatch):
+    from fsdp2lab.errors import UsageError
+    from fsdp2lab.training.memory_snapshot import check_available
+
+    assert cuda_memory_history() is not None  # present (private) in every supported torch
+    monkeypatch.delattr(torch.cuda.memory, "_dump_snapshot")
+    assert cuda_memory_history() is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(UsageError, match="no torch.cuda.memory._record_memory_history"):
+        check_available("cuda")

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from fsdp2lab.errors import UsageError
 from fsdp2lab.runtime.launch_env import LaunchEnv, export
+from fsdp2lab.runtime.torch_compat import process_groups, set_group_timeout
 
 
 @dataclass(frozen=True)
@@ -59,9 +60,9 @@ def new_io_group(runtime: Runtime) -> dist.ProcessGroup:
 def shorten_timeouts(runtime: Runtime) -> None:
     """Once training starts: every group but the I/O ones waits at most --collective-timeout."""
     timeout = timedelta(seconds=runtime.collective_timeout_s)
-    for group in list(dist.distributed_c10d._world.pg_map):
+    for group in process_groups():
         if group not in _io_groups and dist.get_rank(group) >= 0:
-            dist.set_timeout(timeout, group)
+            set_group_timeout(group, timeout)
 
 
 def init(

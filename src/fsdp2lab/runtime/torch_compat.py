@@ -35,6 +35,12 @@ DCP get/set_state_dict, flatten_optim...  <=2.6    ``async_save(process_group=)`
                                                    async_checkpointer_type 2.7, async_stager 2.9)
 DeviceMesh slicing, ``_flatten``          <=2.6    private: ``flatten_mesh``
 FSDPModule._set_unshard_async_op          <=2.6    private: ``set_unshard_async_op``
+torch.distributed.set_timeout             2.14     before: distributed_c10d._set_pg_timeout
+                                                   (private, the same; ``set_group_timeout``)
+listing the process groups                -        private ``distributed_c10d._world.pg_map``
+                                                   (``process_groups``)
+CUDA memory snapshot                      <=2.6    private ``torch.cuda.memory._record_memory_history``
+                                                   / ``_dump_snapshot`` (``cuda_memory_history``)
 Adam/AdamW fused=True on CPU              <=2.6    (on FSDP2's DTensor shards: tested from 2.8)
 torchdata StatefulDataLoader              0.8      its first release; 0.11 (tested) needs torch>=2
 ========================================  =======  ==============================================
@@ -46,8 +52,10 @@ import contextlib
 import inspect
 import os
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
@@ -120,6 +128,49 @@ def set_unshard_async_op(module: FSDPModule, enabled: bool) -> bool:
         return False
     module._set_unshard_async_op(enabled)
     return True
+
+
+# ---------------------------------------------------------------------- process groups
+def process_groups() -> list:
+    """Every process group this process has created (private ``distributed_c10d._world``); only
+    the default one, with a notice, where that is missing."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is None or not hasattr(world, "pg_map"):
+        notice(
+            "process-groups",
+            "this torch does not list its process groups (distributed_c10d._world): only the "
+            "default group's timeout is changed",
+        )
+        return [dist.group.WORLD] if dist.is_initialized() else []
+    return list(world.pg_map)
+
+
+def set_group_timeout(group: Any, timeout: timedelta) -> bool:
+    """``dist.set_timeout(timeout, group)`` (torch 2.14); before, the private
+    ``distributed_c10d._set_pg_timeout``, which does the same; else a notice, and it is unchanged."""
+    if hasattr(dist, "set_timeout"):
+        dist.set_timeout(timeout, group)
+        return True
+    legacy = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if legacy is not None:
+        legacy(timeout, group)
+        return True
+    notice(
+        "set-timeout",
+        "this torch cannot change a process group's timeout (torch.distributed.set_timeout): "
+        "collectives keep the start-up timeout",
+    )
+    return False
+
+
+# ------------------------------------------------------------------ CUDA memory history
+def cuda_memory_history() -> tuple[Callable, Callable] | None:
+    """(``_record_memory_history``, ``_dump_snapshot``) of ``torch.cuda.memory`` (private, the
+    documented way to take a memory snapshot); None where this torch lacks them."""
+    memory = torch.cuda.memory
+    record = getattr(memory, "_record_memory_history", None)
+    dump = getattr(memory, "_dump_snapshot", None)
+    return (record, dump) if record is not None and dump is not None else None
 
 
 # -------------------------------------------------------------------------- DeviceMesh

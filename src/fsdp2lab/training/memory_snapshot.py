@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fsdp2lab.errors import UsageError
+from fsdp2lab.runtime.torch_compat import cuda_memory_history
 from fsdp2lab.training.hooks import Hooks, log0
 
 if TYPE_CHECKING:
@@ -23,6 +24,11 @@ def check_available(device: str) -> None:
             "--memory-snapshot needs a CUDA device (torch.cuda.memory); this run trains on CPU. "
             "On CPU, the summary and --tensorboard show peak RSS and its growth per rank"
         )
+    if cuda_memory_history() is None:
+        raise UsageError(
+            "--memory-snapshot: this torch has no torch.cuda.memory._record_memory_history / "
+            "_dump_snapshot"
+        )
 
 
 class MemorySnapshot(Hooks):
@@ -30,10 +36,12 @@ class MemorySnapshot(Hooks):
         self.path = Path(path if rank == 0 else f"{path}.rank{rank}")
 
     def before_fit(self, trainer: Trainer) -> None:
-        torch.cuda.memory._record_memory_history(max_entries=100_000)
+        record, _ = cuda_memory_history()
+        record(max_entries=100_000)
 
     def after_fit(self, trainer: Trainer) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        torch.cuda.memory._dump_snapshot(str(self.path))
-        torch.cuda.memory._record_memory_history(enabled=None)
+        record, dump = cuda_memory_history()
+        dump(str(self.path))
+        record(enabled=None)
         log0(trainer.runtime, f"fsdp2lab: memory snapshot written to {self.path}")
