@@ -159,12 +159,18 @@ def _check_trained_two_nodes(job: Job, state: str, reference) -> list[dict]:
 def test_status_says_why_a_job_waits(cluster):
     job_id = cluster.run("sbatch", "--parsable", "--begin=now+3600", "--wrap", "true").strip()
     try:
-        status = subprocess.run(
-            [str(LOCAL_SLURM), "status"], env=cluster.env, capture_output=True, text=True
-        )
-        assert status.returncode == 0, status.stderr
+        deadline = time.monotonic() + 60  # the reason is set at the scheduler's next pass
+        env = {**cluster.env, "FSDP2LAB_SLURM_DIR": str(cluster.state_dir)}
+        while True:
+            status = subprocess.run(
+                [str(LOCAL_SLURM), "status"], env=env, capture_output=True, text=True
+            )
+            assert status.returncode == 0, status.stderr
+            if f"{job_id} wrap BeginTime" in status.stdout or time.monotonic() > deadline:
+                break
+            time.sleep(1)
         assert "pending jobs (id name reason):" in status.stdout
-        assert f"{job_id} wrap BeginTime" in status.stdout
+        assert f"{job_id} wrap BeginTime" in status.stdout, status.stdout
     finally:
         cluster.run("scancel", job_id)
 
