@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY, Run, cli_env, read_metrics, run_cli, train
+from fsdp2lab.checkpoint import layout
 
 # Real kills, hangs and full disks take minutes: .ci/run runs them in their own stage.
 pytestmark = pytest.mark.drills
-from fsdp2lab.checkpoint import layout
 
 STEPS = 10
 RUN = ["--model", "mlp", *TINY, "--nproc-per-node", "2", "--max-steps", str(STEPS)]
