@@ -1,19 +1,19 @@
-"""In-process checks of the pipeline pieces, the stage split, the labels and the flag checks."""
+"""In-process checks of the pipeline stages, the split, the labels and the plan's flag checks."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import copy
 
 import pytest
 import torch
 
-from fsdp2lab.cli import preflight
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.errors import UsageError
-from fsdp2lab.models import MODELS, get_spec, layer_units
+from fsdp2lab.models import MODELS, get_spec
 from fsdp2lab.models.materialize import build_on_meta
 from fsdp2lab.parallel import model_parallel, pp
 from fsdp2lab.parallel.strategies import label
+from fsdp2lab.plan import resolve
 from fsdp2lab.runtime.mesh import ParallelDims
 
 SMALL_GPT = dict(n_layers=4, d_model=32, n_heads=4, seq_len=16)
@@ -26,49 +26,66 @@ def _input(name: str, cfg: TrainConfig) -> torch.Tensor:
     return torch.randn(3, *spec.input_shape)
 
 
+def _stages(model, groups):
+    """Each stage: a copy of ``model`` with the other stages' modules removed (as ``--pp`` does)."""
+    stages = []
+    for i in range(len(groups)):
+        stage = copy.deepcopy(model)
+        pp.remove_modules(stage, [n for k, g in enumerate(groups) if k != i for n in g])
+        stages.append(stage)
+    return stages
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_pieces_run_in_order_are_the_forward(name):
+def test_stages_run_in_order_are_the_forward(name):
     cfg = TrainConfig(model=name, dropout=0.0, **SMALL_GPT)
+    spec = get_spec(name)
     torch.manual_seed(0)
-    model = get_spec(name).build(cfg).eval()
+    model = spec.build(cfg).eval()
     x = _input(name, cfg)
-    pieces = pp.pieces_of(name, model)
-    # The same pieces in one PiecewiseModule (model-parallel's wrapper, on one device).
-    whole = pp.PiecewiseModule(model, pieces).eval()
-    assert [n for n, _ in whole.named_parameters()] == [n for n, _ in model.named_parameters()]
-    with torch.no_grad():
-        torch.testing.assert_close(whole(x), model(x), rtol=0, atol=0)
+    units = tuple(spec.units(model))
+    for n_stages in range(2, len(units) + 1):
+        stages = _stages(model, pp.split(spec, model, units, n_stages))
+        names = [n for stage in stages for n, _ in stage.named_parameters()]
+        assert names == [n for n, _ in model.named_parameters()]  # same FQNs, each once
+        y = x
+        with torch.no_grad():
+            for stage in stages:
+                y = stage(y)
+            torch.testing.assert_close(y, model(x), rtol=0, atol=0)
 
 
 def test_split_balances_layer_units_and_keeps_names():
     cfg = TrainConfig(model="gpt", **SMALL_GPT)
-    model = build_on_meta(lambda: get_spec("gpt").build(cfg))
-    units = layer_units(model)
-    groups = pp.split("gpt", model, units, 3)
-    names = [[n for p in g for n in p.modules] for g in groups]
+    spec = get_spec("gpt")
+    model = build_on_meta(lambda: spec.build(cfg))
+    units = tuple(spec.units(model))
+    groups = pp.split(spec, model, units, 3)
     # 4 blocks over 3 stages: 1, 1, 2; the embeddings go first, the head last.
-    assert names == [
-        ["tok_emb", "pos_emb", "drop", "blocks.0"],
-        ["blocks.1"],
-        ["blocks.2", "blocks.3", "norm", "lm_head"],
-    ]
-    stage = pp.PiecewiseModule(model, groups[2])
-    assert [n for n, _ in stage.named_parameters()][:2] == [
+    assert groups == (
+        ("tok_emb", "pos_emb", "drop", "blocks.0"),
+        ("blocks.1",),
+        ("blocks.2", "blocks.3", "norm", "lm_head"),
+    )
+    (last,) = _stages(model, groups)[2:]
+    assert [n for n, _ in last.named_parameters()][:2] == [
         "blocks.2.attn_norm.weight",
         "blocks.2.attn_norm.bias",
     ]
+    assert last.tok_emb is None and list(last.blocks) == ["2", "3"]
     with pytest.raises(UsageError, match="--pp 5 is more than the 4 layer units"):
-        pp.split("gpt", model, units, 5)
+        pp.split(spec, model, units, 5)
 
 
 def test_model_parallel_places_groups_on_devices():
-    cfg = TrainConfig(model="mlp2")
-    model = get_spec("mlp2").build(cfg)
-
-    ctx = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), units=layer_units(model))
-    wrapped = model_parallel.apply_model_parallel(model, ctx)
-    assert wrapped.devices == [torch.device("cpu")] * 2
-    assert [p.modules for p in wrapped.pieces] == [("net1", "relu"), ("net2",)]
+    plan = resolve(TrainConfig(model="mlp2", strategy="model-parallel", dropout=0.0), 1)
+    assert plan.stages == (("net1",), ("net2",))
+    model = get_spec("mlp2").build(plan.cfg)
+    x = torch.randn(3, 1, 28, 28)
+    expected = model(x)
+    placed = model_parallel.apply_model_parallel(model, plan, None, torch.device("cpu"))
+    assert placed is model
+    torch.testing.assert_close(placed(x), expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -103,12 +120,12 @@ def test_labels(strategy, dims, expected):
         (dict(model="mlp2", strategy="model-parallel", pp=2), 1, "one process"),
     ],
 )
-def test_preflight_rejects(flags, world, message):
+def test_plan_rejects(flags, world, message):
     with pytest.raises(UsageError, match=message):
-        preflight(TrainConfig(dataset="synthetic", **flags), world)
+        resolve(TrainConfig(dataset="synthetic", **flags), world)
 
 
-def test_preflight_accepts_valid_meshes():
-    preflight(TrainConfig(model="gpt", dataset="synthetic", tp=2, pp=2, **SMALL_GPT), 8)
-    preflight(TrainConfig(model="cnn", dataset="synthetic", pp=4, pp_schedule="gpipe"), 4)
-    preflight(TrainConfig(model="mlp2", dataset="synthetic", strategy="model-parallel"), 1)
+def test_plan_accepts_valid_meshes():
+    resolve(TrainConfig(model="gpt", dataset="synthetic", tp=2, pp=2, **SMALL_GPT), 8)
+    resolve(TrainConfig(model="cnn", dataset="synthetic", pp=4, pp_schedule="gpipe"), 4)
+    resolve(TrainConfig(model="mlp2", dataset="synthetic", strategy="model-parallel"), 1)

@@ -14,9 +14,9 @@ from torch.distributed.fsdp import ShardingStrategy
 
 from conftest import GPT_TINY, TINY, assert_close_lists, cli_env, read_metrics, train
 from fsdp2lab import cli
-from fsdp2lab.compat import fsdp1
+from fsdp2lab.parallel import fsdp1
 from fsdp2lab.config import TrainConfig
-from fsdp2lab.models import get_spec, layer_units
+from fsdp2lab.models import get_spec
 from fsdp2lab.models.materialize import build_on_meta
 from fsdp2lab.parallel.fsdp2 import default_unit_min_params, unit_groups
 
@@ -167,8 +167,7 @@ def test_fsdp1_settings_follow_the_fsdp2_flags():
     assert fsdp1.mixed_precision("fp32") is None
     bf16 = fsdp1.mixed_precision("bf16")
     assert (bf16.param_dtype, bf16.reduce_dtype) == (torch.bfloat16, torch.float32)
-    model = _meta("cnn")
-    units = layer_units(model)
+    model, units = _units("cnn")
     per_unit = fsdp1.wrap_policy(units, None)
     wrapped = [m for m in model.modules() if per_unit(module=m, recurse=False, nonwrapped_numel=0)]
     assert wrapped == units
@@ -182,16 +181,22 @@ def _meta(name: str, **kw):
     return build_on_meta(lambda: get_spec(name).build(cfg))
 
 
+def _units(name: str, **kw) -> tuple:
+    """A meta model and its sharding units, as modules."""
+    model = _meta(name, **kw)
+    return model, [model.get_submodule(u) for u in get_spec(name).units(model)]
+
+
 def test_fsdp2_unit_policies_group_consecutive_units():
-    cnn = _meta("cnn")  # conv1 320, conv2 18,496, fc1 1,179,776, fc2 1,290 parameters
-    units = layer_units(cnn)
+    # conv1 320, conv2 18,496, fc1 1,179,776, fc2 1,290 parameters
+    _, units = _units("cnn")
     assert unit_groups(units, "layer", 1) == [[u] for u in units]
     assert unit_groups(units, "root", 1) == []
     # conv1 + conv2 + fc1 reach the threshold; fc2, too small alone, joins them: one group,
     # which is left to the root.
     assert unit_groups(units, "auto", 100_000) == []
     assert unit_groups(units, "auto", 10_000) == [units[:2], units[2:]]
-    gpt = layer_units(_meta("gpt", n_layers=4, d_model=256))  # 787,456 parameters a block
+    _, gpt = _units("gpt", n_layers=4, d_model=256)  # 787,456 parameters a block
     assert unit_groups(gpt, "auto", 1_000_000) == [gpt[:2], gpt[2:]]
     assert unit_groups(gpt, "auto", 500_000) == [[b] for b in gpt]
     assert unit_groups(gpt, "auto", 2_000_000) == []  # 2 + 2 blocks: one group, to the root

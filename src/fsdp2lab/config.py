@@ -179,6 +179,10 @@ class TrainConfig:
                 f"--reshard-after-forward must be true, false or an integer, not {self.reshard_after_forward!r}"
             ) from None
 
+    def dropout_or(self, default: float) -> float:
+        """A model's dropout probability: ``--dropout`` if given, else the model's own."""
+        return default if self.dropout is None else self.dropout
+
     def default_lr(self) -> float:
         return {"adadelta": 1.0, "adam": 1e-3, "adamw": 1e-3, "sgd": 0.01}[self.optimizer]
 

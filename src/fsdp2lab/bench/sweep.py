@@ -206,8 +206,6 @@ def validate(sweep: Sweep) -> None:
 
 def plan(sweep: Sweep) -> tuple[list[RunSpec], list[str]]:
     """Every runnable combination (in a stable order), and why the others were left out."""
-    from fsdp2lab.cli import preflight
-
     validate(sweep)
     variants = {**BUILTIN_VARIANTS, **sweep.variants}
     combos: list[tuple[str, dict[str, Any], tuple]] = []
@@ -229,7 +227,7 @@ def plan(sweep: Sweep) -> tuple[list[RunSpec], list[str]]:
                         base = f"{model}-{name}-ws{ws}-{precision}" + (
                             f"-reshard{reshard}" if len(sweep.reshard) > 1 else ""
                         )
-                        reason = _why_not(values, ws, preflight)
+                        reason = _why_not(values, ws)
                         if reason:
                             skipped.append(f"{base}: {reason}")
                         else:
@@ -245,12 +243,14 @@ def plan(sweep: Sweep) -> tuple[list[RunSpec], list[str]]:
     return runs, skipped
 
 
-def _why_not(values: dict[str, Any], world_size: int, preflight) -> str | None:
+def _why_not(values: dict[str, Any], world_size: int) -> str | None:
     """The reason a run cannot start on ``world_size`` ranks (the train command's own checks)."""
+    from fsdp2lab.plan import resolve
+
     cfg = TrainConfig(**values)
     try:
         validate_basic(cfg)
-        preflight(cfg, world_size)
+        resolve(cfg, world_size)
     except UsageError as e:
         return str(e)
     return None

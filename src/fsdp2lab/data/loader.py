@@ -14,7 +14,7 @@ from fsdp2lab.data import sources, synthetic, text
 from fsdp2lab.data.arrays import ArrayDataset, collate_batch
 from fsdp2lab.data.sampler import DistributedBatchSampler
 from fsdp2lab.errors import UsageError
-from fsdp2lab.models import ModelSpec
+from fsdp2lab.models.spec import ModelSpec
 
 DOWNLOAD_TIMEOUT_S = 30
 # torchdata's StatefulDataLoader calls a torch API that torch has since deprecated; not ours to fix.

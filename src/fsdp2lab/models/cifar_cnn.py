@@ -1,8 +1,13 @@
-"""A CNN for 3x32x32 CIFAR-10 images (the scaling exercise's model), any batch size."""
+"""A CNN for 3x32x32 CIFAR-10 images (the scaling exercise's model), any batch size.
+
+Sharded per conv block and linear layer; no TP plan; a pipeline stage skips the others' layers.
+"""
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from fsdp2lab.models.spec import ModelSpec
 
 
 class ConvBlock(nn.Module):
@@ -29,11 +34,27 @@ class CifarCNN(nn.Module):
         self.fc2 = nn.Linear(256, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        assert x.shape[1:] == (3, 32, 32), f"expected N x 3 x 32 x 32 images, got {tuple(x.shape)}"
-        x = self.block3(self.block2(self.block1(x)))
-        x = self.dropout(torch.flatten(x, 1))
-        x = self.dropout(F.relu(self.fc1(x)))
-        return self.fc2(x)
+        for block in (self.block1, self.block2):
+            if block is not None:
+                x = block(x)
+        if self.block3 is not None:
+            x = self.dropout(torch.flatten(self.block3(x), 1))
+        if self.fc1 is not None:
+            x = self.dropout(F.relu(self.fc1(x)))
+        if self.fc2 is not None:
+            x = self.fc2(x)
+        return x
 
-    def layer_units(self) -> list[nn.Module]:
-        return [self.block1, self.block2, self.block3, self.fc1, self.fc2]
+
+LAYERS = ["block1", "block2", "block3", "fc1", "fc2"]
+SPEC = ModelSpec(
+    name="cifar-cnn",
+    build=lambda cfg: CifarCNN(cfg.dropout_or(0.25)),
+    task="classify",
+    input_shape=(3, 32, 32),
+    datasets=("cifar10", "synthetic"),
+    default_dataset="cifar10",
+    units=lambda model: LAYERS,
+    pipeline=lambda model: LAYERS,
+    num_classes=10,
+)

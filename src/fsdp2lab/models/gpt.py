@@ -2,7 +2,17 @@
 
 Attention and MLP use separate q/k/v/o and up/down projections so that tensor parallelism can split
 them by heads and columns; the number of heads is read from the projection's output width at run
-time, so the same forward works on a TP shard.
+time, so the same forward works on a TP shard. Sharded per block; a pipeline stage holds a run of
+blocks (the first also the embeddings, the last the final norm and head) and skips the rest.
+
+TP plan: attention heads (``wq``/``wk``/``wv`` column-wise, ``wo`` row-wise) and the MLP (``up``
+column-wise, ``down`` row-wise) split across ranks; between them the residual stream is split by
+sequence position (sequence parallelism: the layer norms run on a slice of the tokens, and the
+all-reduces become a reduce-scatter after and an all-gather before each sub-block). The token and
+position embeddings are split by rows (vocabulary, positions) and reduce-scatter into sequence
+shards; the LM head is column-wise over the vocabulary and all-gathers the full logits. Dropout
+only ever acts on split activations (sequence or head shards), so each rank drawing its own masks
+is right.
 """
 
 from __future__ import annotations
@@ -13,6 +23,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from fsdp2lab.errors import UsageError
+from fsdp2lab.models.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -81,19 +102,19 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm = nn.LayerNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
-        for block in self.blocks:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok_emb is not None:  # tokens in (the first pipeline stage)
+            pos = torch.arange(x.shape[1], device=x.device)
+            x = self.drop(self.tok_emb(x) + self.pos_emb(pos))
+        for block in self.blocks.values():
             x = block(x)
-        return self.lm_head(self.norm(x))
-
-    def layer_units(self) -> list[nn.Module]:
-        return list(self.blocks)
+        if self.lm_head is not None:  # logits out (the last pipeline stage)
+            x = self.lm_head(self.norm(x))
+        return x
 
     def init_module(self, fqn: str, module: nn.Module) -> None:
         """GPT-2 init: N(0, 0.02), residual output projections scaled by 1/sqrt(2 * n_layers)."""
@@ -111,3 +132,69 @@ class GPT(nn.Module):
     def params_for(vocab: int, seq: int, layers: int, d: int) -> int:
         """Parameter count for given sizes (to size a model before building it)."""
         return vocab * d * 2 + seq * d + layers * (12 * d * d + 4 * d) + 2 * d
+
+
+def build(cfg) -> GPT:
+    if cfg.d_model % cfg.n_heads:
+        raise UsageError(
+            f"gpt: --d-model {cfg.d_model} is not divisible by --n-heads {cfg.n_heads}"
+        )
+    return GPT(
+        GPTConfig(
+            vocab_size=cfg.vocab_size,
+            seq_len=cfg.seq_len,
+            n_layers=cfg.n_layers,
+            d_model=cfg.d_model,
+            n_heads=cfg.n_heads,
+            dropout=cfg.dropout_or(0.0),
+        )
+    )
+
+
+def tp_plan(model: GPT) -> dict[str, ParallelStyle]:
+    sequence_to_full = PrepareModuleInput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+    )
+    plan: dict[str, ParallelStyle] = {
+        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "pos_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
+        "norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    for name in model.blocks:
+        b = f"blocks.{name}"
+        plan |= {
+            f"{b}.attn_norm": SequenceParallel(),
+            f"{b}.attn": sequence_to_full,
+            f"{b}.attn.wq": ColwiseParallel(),
+            f"{b}.attn.wk": ColwiseParallel(),
+            f"{b}.attn.wv": ColwiseParallel(),
+            f"{b}.attn.wo": RowwiseParallel(output_layouts=Shard(1)),
+            f"{b}.mlp_norm": SequenceParallel(),
+            f"{b}.mlp": sequence_to_full,
+            f"{b}.mlp.up": ColwiseParallel(),
+            f"{b}.mlp.down": RowwiseParallel(output_layouts=Shard(1)),
+        }
+    return plan
+
+
+def blocks(model: GPT) -> list[str]:
+    return [f"blocks.{name}" for name in model.blocks]
+
+
+SPEC = ModelSpec(
+    name="gpt",
+    build=build,
+    task="lm",
+    input_shape=None,
+    datasets=("synthetic", "text"),
+    default_dataset="synthetic",
+    units=blocks,
+    tp_plan=tp_plan,
+    tp_sizes=lambda m: {
+        "--n-heads": m.cfg.n_heads,
+        "--vocab-size": m.cfg.vocab_size,
+        "--seq-len": m.cfg.seq_len,
+    },
+    pipeline=lambda m: ["tok_emb", "pos_emb", "drop", *blocks(m), "norm", "lm_head"],
+)

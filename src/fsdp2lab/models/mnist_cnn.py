@@ -1,8 +1,13 @@
-"""The seed tutorial's MNIST ``Net``: two convolutions, dropout, two linear layers, log-softmax."""
+"""The seed tutorial's MNIST ``Net``: two convolutions, dropout, two linear layers, log-softmax.
+
+Sharded per layer; no TP plan; a pipeline stage skips the layers another stage holds.
+"""
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from fsdp2lab.models.spec import ModelSpec
 
 
 class Net(nn.Module):
@@ -16,15 +21,35 @@ class Net(nn.Module):
         self.fc2 = nn.Linear(128, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.conv1(x))
-        x = F.relu(self.conv2(x))
-        x = F.max_pool2d(x, 2)
-        x = self.dropout1(x)
-        x = torch.flatten(x, 1)
-        x = F.relu(self.fc1(x))
-        x = self.dropout2(x)
-        x = self.fc2(x)
-        return F.log_softmax(x, dim=1)
+        if self.conv1 is not None:
+            x = F.relu(self.conv1(x))
+        if self.conv2 is not None:
+            x = F.relu(self.conv2(x))
+            x = F.max_pool2d(x, 2)
+            x = self.dropout1(x)
+            x = torch.flatten(x, 1)
+        if self.fc1 is not None:
+            x = F.relu(self.fc1(x))
+            x = self.dropout2(x)
+        if self.fc2 is not None:
+            x = self.fc2(x)
+            x = F.log_softmax(x, dim=1)
+        return x
 
-    def layer_units(self) -> list[nn.Module]:
-        return [self.conv1, self.conv2, self.fc1, self.fc2]
+
+def build(cfg) -> Net:
+    return Net(cfg.dropout_or(0.25), cfg.dropout_or(0.5))
+
+
+LAYERS = ["conv1", "conv2", "fc1", "fc2"]
+SPEC = ModelSpec(
+    name="cnn",
+    build=build,
+    task="classify",
+    input_shape=(1, 28, 28),
+    datasets=("mnist", "fashion-mnist", "synthetic"),
+    default_dataset="mnist",
+    units=lambda model: LAYERS,
+    pipeline=lambda model: LAYERS,
+    num_classes=10,
+)

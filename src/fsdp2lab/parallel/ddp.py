@@ -17,14 +17,13 @@ from fsdp2lab.errors import UsageError
 
 def check(cfg) -> None:
     """Flags DDP cannot honour (a UsageError before any worker starts)."""
-    if cfg.strategy == "ddp" and cfg.cpu_offload:
+    if cfg.cpu_offload:
         raise UsageError("--cpu-offload offloads sharded state: use --strategy fsdp1 or fsdp2")
 
 
-def apply_ddp(model: nn.Module, ctx) -> nn.Module:
+def apply_ddp(model: nn.Module, plan, mesh, device) -> nn.Module:
     """Wrap ``model`` (materialised) in DDP over all ranks (every rank is a data-parallel rank)."""
-    check(ctx.cfg)
-    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    device_ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=device_ids)
 
 

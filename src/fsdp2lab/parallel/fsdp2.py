@@ -18,9 +18,8 @@ from torch.distributed.fsdp import (
 )
 
 from fsdp2lab.parallel.gloo_ring import use_ring_collectives
+from fsdp2lab.parallel.precision import DTYPES
 from fsdp2lab.runtime.torch_compat import set_unshard_async_op
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:

@@ -1,12 +1,12 @@
 """``--strategy model-parallel``: the model's layers on different devices of one process.
 
-The simplest model parallelism (the seed's: ``net1`` on one GPU, ``net2`` on the next): the layer
-units are cut into groups as for ``--pp`` (the same pieces), each group lives on its own device, and
-the activation is copied from device to device during forward (autograd copies its gradient back).
-Only one device computes at a time; there is no micro-batching (that is what ``--pp`` adds).
+The simplest model parallelism (the seed's: ``net1`` on one GPU, ``net2`` on the next): the model's
+pipeline modules are cut into runs as for ``--pp``, each run lives on its own device, and each
+module's input is moved to its device when it runs (autograd copies gradients back). Only one device
+computes at a time; there is no micro-batching (that is what ``--pp`` adds).
 
-Devices: ``cuda:0..N-1`` with N GPUs (one group per GPU, at most one per layer unit); on CPU two
-groups, both on ``cpu``, which runs the same code path. One process, so ``--nproc-per-node 1``.
+Devices: ``cuda:0..N-1`` with N GPUs (one run per GPU, at most one per unit); on CPU two runs, both
+on ``cpu``, which goes through the same code. One process, so ``--nproc-per-node 1``.
 """
 
 from __future__ import annotations
@@ -14,28 +14,33 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from fsdp2lab.parallel.pp import PiecewiseModule, describe, split
+from fsdp2lab.parallel.pp import describe
 
 
-def group_devices(device: torch.device, n_units: int) -> list[torch.device]:
-    """One device per layer group: every GPU (at most one per unit), or two groups on CPU."""
-    if device.type == "cuda":
-        n = max(1, min(torch.cuda.device_count(), n_units))
-        return [torch.device("cuda", i) for i in range(n)]
-    return [device] * min(2, n_units)
+def group_count(device_preference: str, n_units: int) -> int:
+    """How many devices the model is spread over: every GPU (at most one per unit), or 2 on CPU."""
+    if device_preference != "cpu" and torch.cuda.is_available():
+        return max(1, min(torch.cuda.device_count(), n_units))
+    return min(2, n_units)
 
 
-def apply_model_parallel(model: nn.Module, ctx) -> nn.Module:
-    """Place the (materialised) model's layer groups on their devices; output on ``ctx.device``."""
-    devices = group_devices(ctx.device, len(ctx.units))
-    groups = split(ctx.cfg.model, model, ctx.units, len(devices), "--strategy model-parallel")
-    pieces, piece_devices, where = [], [], []
-    for group, device in zip(groups, devices, strict=True):
-        for piece in group:
-            for name in piece.modules:
-                model.get_submodule(name).to(device)
-        pieces += group
-        piece_devices += [device] * len(group)
-        where.append(f"{describe(group)} on {device}")
+def _to(device: torch.device):
+    def move(module: nn.Module, args: tuple) -> tuple:
+        return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+
+    return move
+
+
+def apply_model_parallel(model: nn.Module, plan, mesh, device: torch.device) -> nn.Module:
+    """Place the (materialised) model's runs of modules on their devices; output on ``device``."""
+    where = []
+    for i, group in enumerate(plan.stages):
+        target = torch.device("cuda", i) if device.type == "cuda" else device
+        for name in group:
+            module = model.get_submodule(name)
+            module.to(target)
+            module.register_forward_pre_hook(_to(target))
+        where.append(f"{describe(group)} on {target}")
     print(f"fsdp2lab: model-parallel: {'; '.join(where)}", flush=True)
-    return PiecewiseModule(model, pieces, piece_devices, output_device=ctx.device)
+    model.register_forward_hook(lambda module, args, out: out.to(device))
+    return model

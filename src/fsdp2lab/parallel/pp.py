@@ -1,12 +1,10 @@
 """Pipeline parallelism: the model cut into stages, one per ``pp`` rank, run by a schedule.
 
-Each model is written down once more as an ordered list of *pieces* (``PIECES``): the modules a
-piece runs and the function that runs them, so that running the pieces in order is the model's
-forward (``tests/test_pp.py`` checks this for every model). A split gives every stage a run of
-pieces with an even share of the layer units; a stage is a :class:`PiecewiseModule` that holds its
-modules under the model's own names, so parameter FQNs (and DCP checkpoints) are the same as
-unsplit. ``--strategy model-parallel`` reuses the same pieces, placing them on devices in one
-process.
+A model lists its modules in forward order (``ModelSpec.pipeline``, by name). A split gives every
+stage a run of them with an even share of the sharding units; a stage is the model itself with the
+other stages' modules removed, which its forward skips. So parameter FQNs (and DCP checkpoints) are
+the same as unsplit, and no forward is written twice. ``--strategy model-parallel`` places the same
+runs on the devices of one process.
 
 Under ``--pp P`` this rank's stage is then tensor-parallelised (``--tp``) and sharded with FSDP2 over
 the data-parallel ranks of its stage. :class:`Pipeline` runs it with ``torch.distributed.pipelining``:
@@ -20,181 +18,78 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.errors import UsageError
+from fsdp2lab.models.spec import ModelSpec
 from fsdp2lab.runtime.mesh import ParallelDims
 from fsdp2lab.runtime.torch_compat import fix_stage_handshake, pipeline_step
 
-
-@dataclass(frozen=True)
-class Piece:
-    """A contiguous part of a model's forward: ``run(root, x)`` uses only ``root``'s ``modules``."""
-
-    modules: tuple[str, ...]
-    run: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+_PP_GROUP = "_fsdp2lab_pp_group"  # attribute set on a pipeline stage: its stages' process group
 
 
-def _seq(*names: str) -> Piece:
-    """A piece that applies the named modules one after the other."""
-
-    def run(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        for name in names:
-            x = m.get_submodule(name)(x)
-        return x
-
-    return Piece(names, run)
-
-
-def _mlp(model: nn.Module) -> list[Piece]:
-    return [_seq("flatten", "fc.0", "fc.1"), _seq("fc.2", "fc.3"), _seq("fc.4")]
-
-
-def _mlp2(model: nn.Module) -> list[Piece]:
-    return [
-        Piece(("net1", "relu"), lambda m, x: m.relu(m.net1(torch.flatten(x, 1)))),
-        _seq("net2"),
-    ]
-
-
-def _cnn(model: nn.Module) -> list[Piece]:
-    def conv2(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return torch.flatten(m.dropout1(F.max_pool2d(F.relu(m.conv2(x)), 2)), 1)
-
-    return [
-        Piece(("conv1",), lambda m, x: F.relu(m.conv1(x))),
-        Piece(("conv2", "dropout1"), conv2),
-        Piece(("fc1", "dropout2"), lambda m, x: m.dropout2(F.relu(m.fc1(x)))),
-        Piece(("fc2",), lambda m, x: F.log_softmax(m.fc2(x), dim=1)),
-    ]
-
-
-def _cifar_cnn(model: nn.Module) -> list[Piece]:
-    return [
-        _seq("block1"),
-        _seq("block2"),
-        Piece(("block3", "dropout"), lambda m, x: m.dropout(torch.flatten(m.block3(x), 1))),
-        Piece(("fc1", "dropout"), lambda m, x: m.dropout(F.relu(m.fc1(x)))),
-        _seq("fc2"),
-    ]
-
-
-def _gpt(model: nn.Module) -> list[Piece]:
-    def embed(m: nn.Module, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        return m.drop(m.tok_emb(idx) + m.pos_emb(pos))
-
-    blocks = [_seq(f"blocks.{i}") for i in range(len(model.blocks))]
-    head = Piece(("norm", "lm_head"), lambda m, x: m.lm_head(m.norm(x)))
-    return [Piece(("tok_emb", "pos_emb", "drop"), embed), *blocks, head]
-
-
-# --model NAME -> the model's forward as pieces (run in order they equal ``model(x)``).
-PIECES: dict[str, Callable[[nn.Module], list[Piece]]] = {
-    "mlp": _mlp,
-    "mlp2": _mlp2,
-    "cnn": _cnn,
-    "cifar-cnn": _cifar_cnn,
-    "gpt": _gpt,
-}
-
-
-def pieces_of(model_name: str, model: nn.Module) -> list[Piece]:
-    if model_name not in PIECES:
+def pipeline_of(spec: ModelSpec, model: nn.Module, what: str) -> list[str]:
+    """The model's modules in forward order; every parameter lies in one of them."""
+    if spec.pipeline is None:
         raise UsageError(
-            f"model {model_name!r} cannot be split into stages; --pp and --strategy model-parallel "
-            f"support: {', '.join(PIECES)}"
+            f"model {spec.name!r} declares no pipeline (ModelSpec.pipeline), so {what} cannot "
+            f"split it into stages"
         )
-    pieces = PIECES[model_name](model)
-    held = {f"{name}." for p in pieces for name in p.modules}
+    names = list(spec.pipeline(model))
     for fqn, _ in model.named_parameters():
-        if not any(fqn.startswith(prefix) for prefix in held):
-            raise AssertionError(f"{model_name}: parameter {fqn} is in no pipeline piece")
-    return pieces
+        if not any(fqn.startswith(f"{name}.") for name in names):
+            raise UsageError(f"{spec.name}: parameter {fqn} is in no module of its pipeline")
+    return names
 
 
 def split(
-    model_name: str, model: nn.Module, units: list[nn.Module], groups: int, what: str = "--pp"
-) -> list[list[Piece]]:
-    """Cut the pieces into ``groups`` runs, each with an even share of the layer units.
+    spec: ModelSpec, model: nn.Module, units: tuple[str, ...], groups: int, what: str = "--pp"
+) -> tuple[tuple[str, ...], ...]:
+    """Cut the pipeline's modules into ``groups`` runs, each with an even share of the units.
 
-    Pieces without a layer unit (embeddings, the LM head) go with their neighbouring unit: those
+    Modules that hold no unit (embeddings, the LM head) go with their neighbouring unit: those
     before the first unit to the first group, the others to the group of the unit before them.
     """
-    pieces = pieces_of(model_name, model)
-    unit_ids = {id(u) for u in units}
-    is_unit = [any(id(model.get_submodule(n)) in unit_ids for n in p.modules) for p in pieces]
+    names = pipeline_of(spec, model, what)
+    is_unit = [any(u == n or u.startswith(f"{n}.") for u in units) for n in names]
     n_units = sum(is_unit)
     if groups > n_units:
         raise UsageError(
-            f"{what} {groups} is more than the {n_units} layer units of model {model_name!r}: "
+            f"{what} {groups} is more than the {n_units} layer units of model {spec.name!r}: "
             f"every stage needs at least one"
         )
     bounds = [g * n_units // groups for g in range(groups + 1)]
-    out: list[list[Piece]] = [[] for _ in range(groups)]
+    out: list[list[str]] = [[] for _ in range(groups)]
     seen, group = 0, 0
-    for piece, unit in zip(pieces, is_unit, strict=True):
+    for name, unit in zip(names, is_unit, strict=True):
         if unit:
             group = max(g for g in range(groups) if bounds[g] <= seen)
             seen += 1
-        out[group].append(piece)
-    return out
+        out[group].append(name)
+    return tuple(tuple(g) for g in out)
 
 
-def describe(group: list[Piece]) -> str:
-    """The modules of a run of pieces, for the log: ``[tok_emb, pos_emb, drop, blocks.0]``."""
-    return f"[{', '.join(dict.fromkeys(n for piece in group for n in piece.modules))}]"
+def describe(group: tuple[str, ...]) -> str:
+    """The modules of a stage, for the log: ``[tok_emb, pos_emb, drop, blocks.0]``."""
+    return f"[{', '.join(group)}]"
 
 
-def _attach(root: nn.Module, fqn: str, module: nn.Module) -> None:
-    """Register ``module`` under the dotted name ``fqn`` below ``root``, making containers as needed."""
-    *path, last = fqn.split(".")
-    parent = root
-    for part in path:
-        if part not in parent._modules:
-            parent.add_module(part, nn.Module())
-        parent = parent._modules[part]
-    if last not in parent._modules:
-        parent.add_module(last, module)
-
-
-class PiecewiseModule(nn.Module):
-    """Runs a list of pieces in order; holds their modules under the original model's names.
-
-    ``devices`` (one per piece) moves the activation to each piece's device first (model
-    parallelism in one process); the result is returned on ``output_device``.
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        pieces: list[Piece],
-        devices: list[torch.device] | None = None,
-        output_device: torch.device | None = None,
-    ):
-        super().__init__()
-        for piece in pieces:
-            for name in piece.modules:
-                _attach(self, name, model.get_submodule(name))
-        self.pieces = pieces
-        self.devices = devices
-        self.output_device = output_device
-        self.pp_group: dist.ProcessGroup | None = None  # the stages' group, when a pipeline stage
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for i, piece in enumerate(self.pieces):
-            if self.devices is not None:
-                x = x.to(self.devices[i])
-            x = piece.run(self, x)
-        return x if self.output_device is None else x.to(self.output_device)
+def remove_modules(model: nn.Module, names: list[str]) -> None:
+    """Remove the named modules: deleted from a container (the others keep their names), else set
+    to ``None`` (which the model's forward skips)."""
+    for name in names:
+        parent_name, _, last = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if isinstance(parent, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+            del parent._modules[last]
+        else:
+            setattr(parent, last, None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,13 +97,8 @@ def microbatches(pp_microbatches: int | None, pp: int) -> int:
     return pp_microbatches or 2 * pp
 
 
-def check(cfg: TrainConfig, dims: ParallelDims, micro_batch: int) -> None:
+def check(cfg: TrainConfig, dims: ParallelDims, micro_batch: int, n: int) -> None:
     """Flag checks for ``--pp`` that need no model (the model's checks are in :func:`split`)."""
-    if dims.pp == 1:
-        return
-    n = microbatches(cfg.pp_microbatches, dims.pp)
-    if n < 1:
-        raise UsageError(f"--pp-microbatches must be >= 1, got {n}")
     if cfg.pp_schedule == "1f1b" and n < dims.pp:
         raise UsageError(
             f"--pp-schedule 1f1b needs at least as many micro-batches as stages: "
@@ -227,22 +117,22 @@ def check(cfg: TrainConfig, dims: ParallelDims, micro_batch: int) -> None:
         )
 
 
-def stage_module(model_name: str, model: nn.Module, units: list[nn.Module], mesh: DeviceMesh):
-    """This rank's stage of ``model`` (on the meta device, not yet parallelised) and its units."""
-    pp_mesh = mesh["pp"]
-    groups = split(model_name, model, units, pp_mesh.size())
+def stage_module(
+    model: nn.Module, stages: tuple[tuple[str, ...], ...], pp_mesh: DeviceMesh
+) -> nn.Module:
+    """This rank's stage of ``model`` (on the meta device, not yet parallelised), in place."""
     if dist.get_rank() == 0:
-        stages = "; ".join(f"stage {i} {describe(g)}" for i, g in enumerate(groups))
-        print(f"fsdp2lab: pipeline: {stages}", flush=True)
-    module = PiecewiseModule(model, groups[pp_mesh.get_local_rank()])
-    module.pp_group = pp_mesh.get_group()
-    held = {id(m) for m in module.modules()}
-    return module, [u for u in units if id(u) in held]
+        stages_text = "; ".join(f"stage {i} {describe(g)}" for i, g in enumerate(stages))
+        print(f"fsdp2lab: pipeline: {stages_text}", flush=True)
+    mine = pp_mesh.get_local_rank()
+    remove_modules(model, [n for i, g in enumerate(stages) if i != mine for n in g])
+    setattr(model, _PP_GROUP, pp_mesh.get_group())
+    return model
 
 
 def stage_group(model: nn.Module) -> dist.ProcessGroup | None:
     """The process group of the pipeline stages, if ``model`` is one stage of a split model."""
-    return getattr(model, "pp_group", None) if isinstance(model, PiecewiseModule) else None
+    return getattr(model, _PP_GROUP, None)
 
 
 class Pipeline:

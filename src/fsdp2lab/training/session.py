@@ -5,6 +5,7 @@ from __future__ import annotations
 from fsdp2lab.checkpoint.manager import CheckpointManager
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.errors import TrainingFailed
+from fsdp2lab.plan import RunPlan, resolve
 from fsdp2lab.runtime.distributed import Runtime
 from fsdp2lab.runtime.preemption import Preemption
 from fsdp2lab.runtime.watchdog import Watchdog
@@ -30,21 +31,24 @@ def observers(cfg: TrainConfig, runtime: Runtime) -> list[Hooks]:
     return hooks
 
 
-def run_training(cfg: TrainConfig, runtime: Runtime) -> dict:
-    log0(runtime, "fsdp2lab: resolved config\n" + cfg.to_toml() + "\n")
+def run_training(plan: RunPlan | TrainConfig, runtime: Runtime) -> dict:
+    if isinstance(plan, TrainConfig):
+        plan = resolve(plan, runtime.world_size)
+    log0(runtime, "fsdp2lab: resolved config\n" + plan.cfg.to_toml() + "\n")
     watchdog = Watchdog.start(runtime)  # reports a rank that stops responding
     try:
-        return _train(cfg, runtime, watchdog)
+        return _train(plan, runtime, watchdog)
     finally:
         watchdog.stop()
 
 
-def _train(cfg: TrainConfig, runtime: Runtime, watchdog: Watchdog) -> dict:
+def _train(plan: RunPlan, runtime: Runtime, watchdog: Watchdog) -> dict:
+    cfg = plan.cfg
     checkpoints = CheckpointManager.from_config(cfg, runtime)  # None without checkpointing
     preemption = Preemption(runtime, checkpoints)  # USR1/TERM: checkpoint, requeue, stop
     hooks = [NanGuard(runtime, cfg.on_nan), watchdog, *([checkpoints] if checkpoints else [])]
     # Observers after the checkpoint hook (they see the resumed state), preemption last.
-    trainer = Trainer(cfg, runtime, hooks=[*hooks, *observers(cfg, runtime), preemption])
+    trainer = Trainer(plan, runtime, hooks=[*hooks, *observers(cfg, runtime), preemption])
     try:
         summary = trainer.fit()
     except TrainingFailed:

@@ -8,6 +8,7 @@ TensorBoard, memory snapshot) attach through ``hooks``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 
 import torch
@@ -17,36 +18,42 @@ import torch.nn.functional as F
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.data import loader as data_loader
 from fsdp2lab.data.sampler import DistributedBatchSampler, eval_shards
-from fsdp2lab.models import get_spec, layer_units
-from fsdp2lab.models.materialize import build_on_meta, init_weights
-from fsdp2lab.parallel.fsdp2 import DTYPES, reshard_all
-from fsdp2lab.parallel.strategies import ParallelContext, check_world_size, get_strategy
+from fsdp2lab.models.materialize import init_weights
+from fsdp2lab.parallel.fsdp2 import reshard_all
+from fsdp2lab.parallel.pp import Pipeline
+from fsdp2lab.parallel.precision import DTYPES
+from fsdp2lab.plan import RunPlan, resolve
 from fsdp2lab.runtime import faults
 from fsdp2lab.runtime.distributed import Runtime, on_rank0
-from fsdp2lab.runtime.mesh import ParallelDims, build_mesh, dp_rank
+from fsdp2lab.runtime.mesh import build_mesh, dp_rank
 from fsdp2lab.training import metrics as m
 from fsdp2lab.training.hooks import Hooks, StopTraining, TrainState, log0
 from fsdp2lab.training.optim import build_optimizer, build_scheduler
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, runtime: Runtime, hooks: list[Hooks] | None = None):
-        self.cfg = cfg
+    def __init__(
+        self,
+        plan: RunPlan | TrainConfig,
+        runtime: Runtime,
+        hooks: list[Hooks] | None = None,
+    ):
+        if isinstance(plan, TrainConfig):
+            plan = resolve(plan, runtime.world_size)
+        self.plan = plan
+        self.cfg = cfg = plan.cfg
         self.runtime = runtime
         self.device = runtime.device
         self.memory = m.MemoryMeter(self.device)  # RSS growth counts from here
         self.hooks = list(hooks or [])
-        self.spec = get_spec(cfg.model)
-        self.strategy = get_strategy(cfg.strategy)
-        check_world_size(self.strategy, runtime.world_size)
+        self.spec = plan.spec
+        self.strategy = plan.strategy
 
         # Mesh: named data-parallel (and, where asked, tp/pp) dimensions.
-        self.dims = ParallelDims.resolve(
-            runtime.world_size, cfg.dp_replicate, cfg.dp_shard, cfg.tp, cfg.pp
-        )
+        self.dims = plan.dims
         self.mesh = build_mesh(self.dims, self.device.type)
         self.dp_rank = dp_rank(self.dims, self.mesh)
-        self.global_batch, self.micro_batch = data_loader.batch_sizes(cfg, self.dims.dp)
+        self.global_batch, self.micro_batch = plan.global_batch, plan.micro_batch
 
         # Data: rank 0 resolves/downloads, everyone loads.
         self.data_choice = on_rank0(lambda: data_loader.choose(cfg, self.spec))
@@ -62,22 +69,26 @@ class Trainer:
         self.loader = data_loader.train_loader(self.train_set, self.sampler, cfg, self.device)
         self.total_steps = self._total_steps()
 
-        # Model: meta -> parallelise -> to_empty -> deterministic init.
-        reference = build_on_meta(lambda: self.spec.build(cfg))
-        model = build_on_meta(lambda: self.spec.build(cfg))
-        ctx = ParallelContext(cfg, self.dims, self.mesh, self.device, layer_units(model))
+        # Model: meta (the plan's, copied) -> parallelise -> to_empty -> deterministic init.
+        reference = plan.meta_model
+        model = copy.deepcopy(reference)
         init_device = "cpu" if cfg.cpu_offload else self.device
+        parallelize = self.strategy.parallelize
         if self.strategy.materialize_first:
             model.to_empty(device=init_device)
             init_weights(model, reference, cfg.seed)
-            self.model = self.strategy.parallelize(model, ctx)
+            self.model = parallelize(model, plan, self.mesh, self.device)
         else:
-            self.model = self.strategy.parallelize(model, ctx)
+            self.model = parallelize(model, plan, self.mesh, self.device)
             self.model.to_empty(device=init_device)
             init_weights(self.model, reference, cfg.seed)
         # With --pp, self.model is this rank's stage, and the pipeline runs forward and backward.
-        self.pipeline = ctx.pipeline
-        self.params_total = sum(p.numel() for p in reference.parameters())
+        self.pipeline = (
+            Pipeline(self.model, self.mesh, self.device, plan.n_microbatches, cfg.pp_schedule)
+            if self.dims.pp > 1
+            else None
+        )
+        self.params_total = plan.params_total
 
         self.optimizer = build_optimizer(self.model.parameters(), cfg)
         self.scheduler, self.scheduler_unit = build_scheduler(self.optimizer, cfg, self.total_steps)
@@ -91,7 +102,7 @@ class Trainer:
         self.last_loss: torch.Tensor | None = None
         self.last_step_record: dict = {}
         self.last_epoch_record: dict = {}
-        self.throughput = m.Throughput(cfg.seq_len if cfg.model == "gpt" else None)
+        self.throughput = m.Throughput(cfg.seq_len if self.spec.task == "lm" else None)
         # Dropout differs per rank (as it would on separate GPUs) but is reproducible.
         torch.manual_seed(cfg.seed * 1000 + runtime.rank)
         self.epoch_times: list[float] = []

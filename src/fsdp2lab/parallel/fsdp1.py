@@ -38,7 +38,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy, size_based_auto_wrap_policy
 
 from fsdp2lab.errors import UsageError
-from fsdp2lab.parallel.fsdp2 import DTYPES
+from fsdp2lab.parallel.precision import DTYPES
 from fsdp2lab.runtime.mesh import dp_mesh
 
 DEPRECATION_NOTE = (
@@ -55,8 +55,6 @@ _EXPECTED_WARNINGS = (
 
 def check(cfg) -> None:
     """Flags FSDP1 cannot honour (a UsageError before any worker starts)."""
-    if cfg.strategy != "fsdp1":
-        return
     reshard = cfg.reshard_value()
     if not isinstance(reshard, bool):
         raise UsageError(
@@ -91,13 +89,12 @@ def mixed_precision(precision: str) -> MixedPrecision | None:
     return MixedPrecision(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
 
 
-def apply_fsdp1(model: nn.Module, ctx) -> nn.Module:
+def apply_fsdp1(model: nn.Module, plan, mesh, device) -> nn.Module:
     """Wrap the materialised ``model`` in FSDP1 over the data-parallel mesh."""
-    cfg = ctx.cfg
-    check(cfg)
-    hybrid = ctx.dims.dp_replicate > 1
+    cfg = plan.cfg
+    hybrid = plan.dims.dp_replicate > 1
     strategy = sharding_strategy(cfg.reshard_value(), hybrid)
-    if ctx.dims.dp == 1:
+    if plan.dims.dp == 1:
         strategy = ShardingStrategy.NO_SHARD  # what FSDP1 switches to itself, with a warning
     if dist.get_rank() == 0:
         print(DEPRECATION_NOTE, flush=True)
@@ -105,14 +102,16 @@ def apply_fsdp1(model: nn.Module, ctx) -> nn.Module:
         warnings.filterwarnings("ignore", message=pattern)
     return FSDP(
         model,
-        device_mesh=dp_mesh(ctx.mesh),
+        device_mesh=dp_mesh(mesh),
         sharding_strategy=strategy,
-        auto_wrap_policy=wrap_policy(ctx.units, cfg.fsdp1_min_params),
+        auto_wrap_policy=wrap_policy(
+            [model.get_submodule(u) for u in plan.units], cfg.fsdp1_min_params
+        ),
         mixed_precision=mixed_precision(cfg.mixed_precision),
         cpu_offload=CPUOffload(offload_params=cfg.cpu_offload),
         backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
         forward_prefetch=cfg.prefetch > 0,
-        device_id=ctx.device,
+        device_id=device,
         use_orig_params=True,
     )
 

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
-from fsdp2lab.errors import USAGE_EXIT_CODE, UsageError
+from fsdp2lab.cli.common import guarded
 
 
 def register(subparsers) -> None:
@@ -16,28 +15,16 @@ def register(subparsers) -> None:
     )
     export.add_argument("ckpt", metavar="CKPT", help="DIR/step-N, or DIR for its newest")
     export.add_argument("out", metavar="OUT.pt")
-    export.set_defaults(func=_run(cmd_export))
+    export.set_defaults(func=guarded(cmd_export))
     imp = sub.add_parser(
         "import", help="make DIR/step-0, a checkpoint of a plain state dict, to fine-tune from"
     )
     imp.add_argument("source", metavar="IN.pt")
     imp.add_argument("root", metavar="DIR", help="a new checkpoint directory (for --ckpt-dir)")
-    imp.set_defaults(func=_run(cmd_import))
+    imp.set_defaults(func=guarded(cmd_import))
     info = sub.add_parser("info", help="what a checkpoint holds")
     info.add_argument("ckpt", metavar="CKPT", help="DIR/step-N, or DIR for its newest")
-    info.set_defaults(func=_run(cmd_info))
-
-
-def _run(command):
-    def run(args: argparse.Namespace, argv: list[str]) -> int:
-        try:
-            command(args)
-        except UsageError as e:
-            print(f"fsdp2lab: error: {e}", file=sys.stderr, flush=True)
-            return USAGE_EXIT_CODE
-        return 0
-
-    return run
+    info.set_defaults(func=guarded(cmd_info))
 
 
 def cmd_export(args: argparse.Namespace) -> None:

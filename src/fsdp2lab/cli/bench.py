@@ -8,7 +8,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from fsdp2lab.errors import USAGE_EXIT_CODE, UsageError
+from fsdp2lab.cli.common import guarded
+from fsdp2lab.errors import UsageError
 
 
 def _csv(kind: type):
@@ -64,7 +65,7 @@ def register(subparsers) -> None:
         "--no-report", action="store_true", help="do not write the report at the end"
     )
     bench.add_argument("train_args", nargs=argparse.REMAINDER, help="-- TRAIN FLAGS for every run")
-    bench.set_defaults(func=_run(cmd_bench))
+    bench.set_defaults(func=guarded(cmd_bench))
 
     report = subparsers.add_parser(
         "report",
@@ -92,18 +93,7 @@ def register(subparsers) -> None:
         type=float,
         help="the GPU's peak TFLOP/s for model FLOPs utilisation (default: by GPU name)",
     )
-    report.set_defaults(func=_run(cmd_report))
-
-
-def _run(command):
-    def run(args: argparse.Namespace, argv: list[str]) -> int:
-        try:
-            return command(args)
-        except UsageError as e:
-            print(f"fsdp2lab: error: {e}", file=sys.stderr, flush=True)
-            return USAGE_EXIT_CODE
-
-    return run
+    report.set_defaults(func=guarded(cmd_report))
 
 
 def train_flag_values(train_args: list[str]) -> dict:
@@ -196,7 +186,7 @@ def _print_report(written: dict) -> None:
         print(f"wrote {path}")
 
 
-def _is_run(path: Path) -> bool:
+def _isguarded(path: Path) -> bool:
     """A metrics file, event file, or folder of either (else: a bench results folder)."""
     if path.is_dir():
         return (path / "metrics.jsonl").is_file() or any(path.glob("events.out.tfevents*"))
@@ -206,7 +196,7 @@ def _is_run(path: Path) -> bool:
 def cmd_report(args: argparse.Namespace) -> int:
     from fsdp2lab.bench.report import write_report
 
-    if len(args.results) == 1 and not _is_run(Path(args.results[0])):
+    if len(args.results) == 1 and not _isguarded(Path(args.results[0])):
         peak = args.peak_tflops * 1e12 if args.peak_tflops else None
         _print_report(write_report(Path(args.results[0]), peak))
         return 0

@@ -1,1 +1,0 @@
-"""Legacy APIs run beside FSDP2 for comparison and migration (``--strategy fsdp1``)."""

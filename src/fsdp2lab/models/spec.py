@@ -1,0 +1,77 @@
+"""What a model says about itself: how to build it, what it eats, and how it may be parallelised.
+
+Every plan is written in module names (FQNs), never as code that re-runs the model:
+
+* ``units``: the modules sharded one ``fully_shard`` each (transformer blocks, conv/linear layers);
+  also the units of activation checkpointing and ``torch.compile``.
+* ``tp_plan``: ``{module name: ParallelStyle}`` for ``parallelize_module``; ``tp_sizes`` the sizes
+  ``--tp`` must divide.
+* ``pipeline``: the modules in forward order. A pipeline stage is the model with the modules of
+  the other stages removed (``None``, or deleted from their container), so the model's forward must
+  skip a module that is ``None``, and iterate its containers (``for block in self.blocks``).
+
+A model that gives no ``units`` gets them inferred (:func:`infer_units`); one without a TP plan or a
+pipeline cannot use ``--tp`` or ``--pp``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.nn as nn
+
+
+def infer_units(model: nn.Module, class_name: str | None = None) -> list[str]:
+    """The repeated blocks: the modules of the class that occurs most often as a child of a
+    ``ModuleList``/``Sequential``/``ModuleDict`` (or of ``class_name``), outermost first."""
+    containers = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+    candidates: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if class_name is not None:
+            if type(module).__name__ == class_name and name:
+                candidates.append((name, module))
+        elif isinstance(module, containers):
+            prefix = f"{name}." if name else ""
+            candidates += [
+                (prefix + child_name, child)
+                for child_name, child in module.named_children()
+                if any(True for _ in child.parameters())
+            ]
+    if not candidates:
+        return []
+    if class_name is None:
+        counts = Counter(type(m) for _, m in candidates)
+        best = max(counts, key=lambda cls: (counts[cls], _params(candidates, cls)))
+        candidates = [(n, m) for n, m in candidates if type(m) is best]
+    outermost: list[str] = []
+    for name, _ in candidates:  # named_modules is pre-order: a parent comes before its children
+        if not any(name.startswith(f"{outer}.") for outer in outermost):
+            outermost.append(name)
+    return outermost
+
+
+def _params(candidates: list[tuple[str, nn.Module]], cls: type) -> int:
+    return sum(p.numel() for _, m in candidates if type(m) is cls for p in m.parameters())
+
+
+def no_sizes(model: nn.Module) -> dict[str, int]:
+    return {}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    build: Callable[[Any], nn.Module]  # TrainConfig -> model (called under torch.device("meta"))
+    task: str  # "classify" (input -> class) | "lm" (tokens -> next token)
+    input_shape: tuple[int, ...] | None  # one sample's shape (classifiers)
+    datasets: tuple[str, ...]  # datasets whose samples fit the model
+    default_dataset: str  # what --dataset auto tries first
+    units: Callable[[nn.Module], list[str]] = infer_units
+    tp_plan: Callable[[nn.Module], dict[str, Any]] | None = None
+    tp_sizes: Callable[[nn.Module], dict[str, int]] = no_sizes
+    pipeline: Callable[[nn.Module], list[str]] | None = None
+    num_classes: int | None = None  # classifiers: output width
+    extras: dict[str, Any] = field(default_factory=dict)  # e.g. a Hugging Face config to export
