@@ -36,7 +36,19 @@ def _opt(default: Any, help: str, **kw: Any) -> Any:
 @dataclass
 class TrainConfig:
     # model
-    model: str = _opt("cnn", "model name from the registry (cnn, mlp, mlp2, cifar-cnn, gpt)")
+    model: str = _opt(
+        "cnn",
+        "cnn, mlp, mlp2, cifar-cnn, gpt, or your own: pkg.module:NAME or path/file.py:NAME "
+        "(a factory returning an nn.Module, or a ModelSpec)",
+    )
+    model_args: str = _opt("", "your model's factory keywords: 'k=v,...' (values read as JSON)")
+    input_shape: str | None = _opt(
+        None, "your classifier's input shape C,H,W (without it your model is a language model)"
+    )
+    num_classes: int = _opt(10, "your classifier's number of classes (synthetic data)")
+    fsdp_unit_class: str | None = _opt(
+        None, "your model: the class of its sharding units (default: the most repeated block)"
+    )
     dropout: float | None = _opt(
         None, "override every dropout probability (0 for exact parity runs)"
     )
@@ -283,7 +295,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             values[name] = value
     cfg = TrainConfig(**values)
     if cfg.save_model == _DEFAULT:
-        cfg.save_model = "mnist_cnn.pt" if cfg.model == "cnn" else f"{cfg.model}.pt"
+        stem = cfg.model.rpartition(":")[2]  # your model: its factory's name
+        cfg.save_model = "mnist_cnn.pt" if cfg.model == "cnn" else f"{stem}.pt"
     if cfg.tensorboard == _DEFAULT:
         cfg.tensorboard = default_tensorboard_dir(cfg)
     validate_basic(cfg)
@@ -307,7 +320,7 @@ _BOUNDS: dict[str, tuple[float | None, float | None, bool]] = {
             "n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "synthetic_size",
             "global_batch_size", "batch_size", "test_batch_size", "grad_accum_steps", "epochs",
             "max_steps", "dp_replicate", "tp", "pp", "pp_microbatches", "fsdp1_min_params",
-            "fsdp_unit_min_params", "ckpt_every_steps", "nproc_per_node",
+            "fsdp_unit_min_params", "ckpt_every_steps", "nproc_per_node", "num_classes",
             "log_every_steps",
         )
     },

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.nn as nn
 
 from fsdp2lab.config import TrainConfig
@@ -18,7 +19,8 @@ from fsdp2lab.data.loader import batch_sizes
 from fsdp2lab.errors import UsageError
 from fsdp2lab.models import get_spec
 from fsdp2lab.models.materialize import build_on_meta
-from fsdp2lab.models.spec import ModelSpec
+from fsdp2lab.models.spec import ModelSpec, logits_of
+from fsdp2lab.models.user import is_reference
 from fsdp2lab.parallel import model_parallel, pp, tp
 from fsdp2lab.parallel.strategies import Strategy, get_strategy
 from fsdp2lab.runtime.mesh import ParallelDims
@@ -63,14 +65,16 @@ def resolve(cfg: TrainConfig, world_size: int) -> RunPlan:
     dims = ParallelDims.resolve(world_size, cfg.dp_replicate, cfg.dp_shard, cfg.tp, cfg.pp)
     global_batch, micro_batch = batch_sizes(cfg, dims.dp)
 
-    spec = get_spec(cfg.model)
+    spec = get_spec(cfg.model, cfg)
     if cfg.dataset != "auto" and cfg.dataset not in spec.datasets:
         raise UsageError(
             f"dataset {cfg.dataset!r} does not fit model {spec.name!r}; it takes: {', '.join(spec.datasets)}"
         )
-    model = build_on_meta(lambda: spec.build(cfg))  # the model's own checks, at no memory cost
+    model = build_on_meta(lambda: spec.build(cfg), spec.real_buffers)  # the model's own checks, at no memory cost
     units = tuple(spec.units(model))
     _check_names(model, units, "sharding unit")
+    if is_reference(cfg.model):
+        _check_takes_the_data(model, spec, cfg)
 
     if dims.tp > 1:
         tp.check(spec, model, dims.tp)
@@ -102,6 +106,40 @@ def resolve(cfg: TrainConfig, world_size: int) -> RunPlan:
         params_total=sum(p.numel() for p in model.parameters()),
         meta_model=model,
     )
+
+
+def sample_input(spec: ModelSpec, cfg: TrainConfig, batch: int = 2) -> torch.Tensor:
+    """A meta batch shaped as the dataset ``cfg`` asks for (``auto``: the model's default)."""
+    dataset = spec.default_dataset if cfg.dataset == "auto" else cfg.dataset
+    if dataset == "text" or (dataset == "synthetic" and spec.task == "lm"):
+        return torch.zeros(batch, cfg.seq_len, dtype=torch.long, device="meta")
+    shape = {"cifar10": (3, 32, 32), "synthetic": spec.input_shape}.get(dataset, (1, 28, 28))
+    return torch.zeros(batch, *shape, device="meta")
+
+
+def _check_takes_the_data(model: nn.Module, spec: ModelSpec, cfg: TrainConfig) -> None:
+    """Run your model on a meta batch of the data's shape: a mismatch is one message, not a
+    traceback per rank. Errors that only the meta device raises are left to the real run."""
+    x = sample_input(spec, cfg)
+    shape = f"{tuple(x.shape)} ({str(x.dtype).removeprefix('torch.')})"
+    try:
+        with torch.no_grad():
+            out = logits_of(model(x))
+    except Exception as e:  # your model's code: whatever it raises
+        if isinstance(e, (NotImplementedError, RuntimeError)) and "meta" in str(e).lower():
+            return
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise UsageError(
+            f"model {spec.name} does not take the data's batches of shape {shape}: "
+            f"{type(e).__name__}: {first}"
+        ) from None
+    classes = spec.num_classes if spec.task == "classify" else cfg.vocab_size
+    if out.shape[-1] < classes:
+        what = "--num-classes" if spec.task == "classify" else "--vocab-size"
+        raise UsageError(
+            f"model {spec.name} outputs {out.shape[-1]} logits per sample, fewer than "
+            f"{what} {classes}"
+        )
 
 
 def _check_names(model: nn.Module, names: tuple[str, ...], what: str) -> None:

@@ -82,7 +82,9 @@ def load(
             return synthetic.tokens(
                 cfg.vocab_size, cfg.seq_len, cfg.synthetic_size, n_test, cfg.seed
             )
-        return synthetic.images(spec.input_shape, cfg.synthetic_size, n_test, cfg.seed)
+        return synthetic.images(
+            spec.input_shape, cfg.synthetic_size, n_test, cfg.seed, classes=spec.num_classes or 10
+        )
     if choice.name == "text":
         if cfg.vocab_size < 256:
             raise UsageError(

@@ -1,7 +1,8 @@
 """Model registry: ``--model NAME`` -> the :class:`~fsdp2lab.models.spec.ModelSpec` its file declares.
 
 A built-in model is one file that defines the module and its ``SPEC`` (build, units, TP plan,
-pipeline); adding one means adding its file and its line below.
+pipeline); adding one means adding its file and its line below. Your own model needs no line
+here: ``--model file.py:NAME`` (:mod:`fsdp2lab.models.user`).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from fsdp2lab.errors import UsageError
 from fsdp2lab.models import cifar_cnn, gpt, mlp, mnist_cnn
 from fsdp2lab.models.spec import ModelSpec
+from fsdp2lab.models.user import is_reference, load_spec
 
 MODELS: dict[str, ModelSpec] = {
     spec.name: spec
@@ -16,7 +18,10 @@ MODELS: dict[str, ModelSpec] = {
 }
 
 
-def get_spec(name: str) -> ModelSpec:
+def get_spec(name: str, cfg=None) -> ModelSpec:
+    """A built-in model's spec, or your model's (``module:NAME`` / ``file.py:NAME``; needs ``cfg``)."""
+    if is_reference(name):
+        return load_spec(name, cfg)
     if name not in MODELS:
         raise UsageError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}")
     return MODELS[name]

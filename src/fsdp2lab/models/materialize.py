@@ -17,9 +17,47 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 
-def build_on_meta(factory: Callable[[], nn.Module]) -> nn.Module:
-    with torch.device("meta"):
+def build_on_meta(factory: Callable[[], nn.Module], real_buffers: bool = False) -> nn.Module:
+    """The model with its tensors on the meta device (no memory).
+
+    ``real_buffers``: only the parameters go to meta, each as soon as it is registered; buffers
+    keep the values the model computed (e.g. a rotary embedding's ``inv_freq``, which no init
+    function could rebuild), and are copied in after ``to_empty``.
+    """
+    if not real_buffers:
+        with torch.device("meta"):
+            return factory()
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = type(param)(
+                param.to("meta"), requires_grad=param.requires_grad
+            )
+
+    nn.Module.register_parameter = register_on_meta
+    try:
         return factory()
+    finally:
+        nn.Module.register_parameter = register
+
+
+def to_empty(model: nn.Module, device) -> nn.Module:
+    """``model.to_empty(device=...)`` that keeps tied parameters tied (an embedding shared with the
+    output head): moving off the meta device makes a new Parameter per module, untying them."""
+    tied: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            tied.setdefault(id(param), []).append((module, name))
+    model.to_empty(device=device)
+    for places in tied.values():
+        first_module, first_name = places[0]
+        shared = getattr(first_module, first_name)
+        for module, name in places[1:]:
+            if getattr(module, name) is not shared:
+                setattr(module, name, shared)
+    return model
 
 
 def module_seed(seed: int, fqn: str) -> int:
@@ -29,8 +67,11 @@ def module_seed(seed: int, fqn: str) -> int:
 
 def _init_module(root: nn.Module, fqn: str, module: nn.Module) -> None:
     custom = getattr(root, "init_module", None)
+    hf_init = getattr(root, "_init_weights", None)  # a Hugging Face model's own initialiser
     if custom is not None:
         custom(fqn, module)
+    elif hf_init is not None:
+        hf_init(module)
     elif hasattr(module, "reset_parameters"):
         module.reset_parameters()
     else:
@@ -67,16 +108,20 @@ def init_weights(model: nn.Module, reference: nn.Module, seed: int) -> None:
         targets = {name: _lookup(model, prefix + name) for name in own}
         if not own or all(t is None for t in targets.values()):
             continue
-        ref_module.to_empty(device="cpu", recurse=False)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(module_seed(seed, fqn))
-            _init_module(reference, fqn, ref_module)
+        real = {n: t for n, t in ref_module.named_buffers(recurse=False) if not t.is_meta}
+        if len(real) < len(own):  # real buffers (build_on_meta(real_buffers=True)) are kept
+            ref_module.to_empty(device="cpu", recurse=False)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(module_seed(seed, fqn))
+                _init_module(reference, fqn, ref_module)
+            ref_module._buffers.update(real)
         for name, target in targets.items():
             if target is None:
                 raise KeyError(f"{prefix + name} not found in the parallelised model")
             _copy_into(target, getattr(ref_module, name))
             done.add(id(target))
         ref_module.to(device="meta")
+        ref_module._buffers.update(real)
     missed = [
         n for n, t in [*model.named_parameters(), *model.named_buffers()] if id(t) not in done
     ]

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 
@@ -74,4 +75,19 @@ class ModelSpec:
     tp_sizes: Callable[[nn.Module], dict[str, int]] = no_sizes
     pipeline: Callable[[nn.Module], list[str]] | None = None
     num_classes: int | None = None  # classifiers: output width
+    # Build with parameters on meta but buffers real (models whose buffers no init can rebuild).
+    real_buffers: bool = False
     extras: dict[str, Any] = field(default_factory=dict)  # e.g. a Hugging Face config to export
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """A model's output as logits: a tensor, or the ``logits`` of a Hugging Face style output."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = output.get("logits") if isinstance(output, dict) else getattr(output, "logits", None)
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(
+            f"the model returned {type(output).__name__}: expected a tensor of logits, or an "
+            "output with .logits"
+        )
+    return logits

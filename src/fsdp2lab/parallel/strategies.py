@@ -17,8 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp2lab.errors import UsageError
 from fsdp2lab.parallel import ddp, fsdp1, fsdp2, model_parallel, pp, tp
-from fsdp2lab.runtime.mesh import dp_mesh
 from fsdp2lab.parallel.grad_norm import clip_grad_norm_
+from fsdp2lab.runtime.mesh import dp_mesh
 
 if TYPE_CHECKING:
     from fsdp2lab.plan import RunPlan

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.data import loader as data_loader
 from fsdp2lab.data.sampler import DistributedBatchSampler, eval_shards
-from fsdp2lab.models.materialize import init_weights
+from fsdp2lab.models.materialize import init_weights, to_empty
+from fsdp2lab.models.spec import logits_of
 from fsdp2lab.parallel.fsdp2 import reshard_all
 from fsdp2lab.parallel.pp import Pipeline
 from fsdp2lab.parallel.precision import DTYPES
@@ -75,12 +76,12 @@ class Trainer:
         init_device = "cpu" if cfg.cpu_offload else self.device
         parallelize = self.strategy.parallelize
         if self.strategy.materialize_first:
-            model.to_empty(device=init_device)
+            to_empty(model, init_device)
             init_weights(model, reference, cfg.seed)
             self.model = parallelize(model, plan, self.mesh, self.device)
         else:
             self.model = parallelize(model, plan, self.mesh, self.device)
-            self.model.to_empty(device=init_device)
+            to_empty(self.model, init_device)
             init_weights(self.model, reference, cfg.seed)
         # With --pp, self.model is this rank's stage, and the pipeline runs forward and backward.
         self.pipeline = (
@@ -135,8 +136,9 @@ class Trainer:
     def _loss(
         self, output: torch.Tensor, target: torch.Tensor, reduction: str = "mean"
     ) -> torch.Tensor:
+        logits = logits_of(output)
         return F.cross_entropy(
-            output.reshape(-1, output.shape[-1]).float(), target.reshape(-1), reduction=reduction
+            logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), reduction=reduction
         )
 
     def _to_device(self, batch):
@@ -317,7 +319,7 @@ class Trainer:
                 out = self.model(x) if self.pipeline is None else self.pipeline.forward(x)
             if out is None:  # a pipeline stage before the last one
                 continue
-            out, y = out[:valid], y[:valid]
+            out, y = logits_of(out)[:valid], y[:valid]
             loss_sum += float(self._loss(out, y, reduction="sum"))
             correct += float((out.argmax(dim=-1) == y).sum())
             count += y.numel()
