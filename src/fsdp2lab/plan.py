@@ -70,7 +70,9 @@ def resolve(cfg: TrainConfig, world_size: int) -> RunPlan:
         raise UsageError(
             f"dataset {cfg.dataset!r} does not fit model {spec.name!r}; it takes: {', '.join(spec.datasets)}"
         )
-    model = build_on_meta(lambda: spec.build(cfg), spec.real_buffers)  # the model's own checks, at no memory cost
+    model = build_on_meta(
+        lambda: spec.build(cfg), spec.real_buffers
+    )  # the model's own checks, at no memory cost
     units = tuple(spec.units(model))
     _check_names(model, units, "sharding unit")
     if is_reference(cfg.model):

@@ -3,18 +3,46 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 
 from fsdp2lab.cli.common import guarded
+from fsdp2lab.errors import UsageError
 
 
 def register(subparsers) -> None:
     ckpt = subparsers.add_parser("ckpt", help="checkpoint tools: export, import, info")
     sub = ckpt.add_subparsers(dest="ckpt_command", required=True, metavar="ACTION")
     export = sub.add_parser(
-        "export", help="write a checkpoint's model as one plain torch.save state dict"
+        "export",
+        help="write a checkpoint's model as a torch.save state dict or as safetensors",
+        description="OUT.pt: one torch.save state dict. --format safetensors: OUT.safetensors is "
+        "one file; any other OUT is a folder in Hugging Face's save_pretrained layout "
+        "(model.safetensors or shards and their index; config.json with --hf-config). "
+        "Safetensors are written one tensor at a time: the model is never held whole.",
     )
     export.add_argument("ckpt", metavar="CKPT", help="DIR/step-N, or DIR for its newest")
-    export.add_argument("out", metavar="OUT.pt")
+    export.add_argument("out", metavar="OUT", help="OUT.pt, OUT.safetensors, or a folder")
+    export.add_argument(
+        "--format",
+        choices=["torch", "safetensors"],
+        default=None,
+        help="default: safetensors for OUT.safetensors, an existing folder or --hf-config; "
+        "else torch",
+    )
+    export.add_argument(
+        "--hf-config",
+        metavar="CONFIG.json",
+        default=None,
+        help="the model's Hugging Face config: written as OUT/config.json, tied weights stored "
+        "once, so that AutoModelForCausalLM.from_pretrained(OUT) loads it (needs the hf extra)",
+    )
+    export.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="folder layout: shards of at most SIZE (5GB, 500MB, 2GiB); default 5GB",
+    )
     export.set_defaults(func=guarded(cmd_export))
     imp = sub.add_parser(
         "import", help="make DIR/step-0, a checkpoint of a plain state dict, to fine-tune from"
@@ -27,7 +55,41 @@ def register(subparsers) -> None:
     info.set_defaults(func=guarded(cmd_info))
 
 
+def _export_format(args: argparse.Namespace) -> str:
+    if args.format is not None:
+        if args.format == "torch" and args.hf_config:
+            raise UsageError("--hf-config goes with --format safetensors")
+        return args.format
+    if args.hf_config or args.out.endswith(".safetensors") or os.path.isdir(args.out):
+        return "safetensors"
+    return "torch"
+
+
+def _read_hf_config(path: str) -> dict:
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--hf-config {path} cannot be read as JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"--hf-config {path} is not a JSON object")
+    return config
+
+
 def cmd_export(args: argparse.Namespace) -> None:
+    if _export_format(args) == "safetensors":
+        from fsdp2lab.checkpoint.safetensors_export import export_safetensors, parse_size
+
+        hf_config = _read_hf_config(args.hf_config) if args.hf_config else None
+        done = export_safetensors(
+            args.ckpt, args.out, hf_config=hf_config, max_shard_size=parse_size(args.max_shard_size)
+        )
+        tied = f"; {len(done.tied)} tied weights stored once" if done.tied else ""
+        print(
+            f"exported {done.tensors} tensors ({done.total_bytes:,} bytes) of {done.ckpt.path} "
+            f"to {args.out} as safetensors ({len(done.files)} files{tied})"
+        )
+        return
     from fsdp2lab.checkpoint.export import export_checkpoint
 
     ckpt, weights = export_checkpoint(args.ckpt, args.out)

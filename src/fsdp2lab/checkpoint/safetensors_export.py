@@ -1,0 +1,350 @@
+"""Export a DCP checkpoint's model as safetensors, one tensor at a time.
+
+The safetensors format is written here directly (no ``safetensors`` package needed): an 8-byte
+little-endian header length, a JSON header naming every tensor's dtype, shape and byte range,
+then the raw bytes. Shapes and dtypes come from the checkpoint's metadata, so the header is
+written first and each tensor is then loaded from the checkpoint on its own (``dcp.load`` of
+that one key), appended and dropped: the exporting process holds one tensor at a time.
+
+Two layouts:
+
+- ``OUT.safetensors``: one file with every model tensor under its name in the model;
+- ``OUT/`` (a folder): what Hugging Face ``save_pretrained`` writes: ``model.safetensors``, or
+  ``model-0000K-of-0000N.safetensors`` shards and ``model.safetensors.index.json`` above
+  ``max_shard_size``; with a Hugging Face config also ``config.json``, and tied weights stored
+  once (``from_pretrained`` ties them again). That needs ``transformers`` (the ``hf`` extra):
+  it builds the model on the meta device to learn which weights are tied and checks the names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from fsdp2lab.checkpoint import layout
+from fsdp2lab.checkpoint.export import _one_process
+from fsdp2lab.checkpoint.state import MODEL, saved_run
+from fsdp2lab.errors import UsageError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # save_pretrained's "5GB"
+HF_HINT = 'pip install -e ".[hf]"'
+_SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+for _name, _code in (
+    ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e5m2", "F8_E5M2"),
+    ("uint16", "U16"),
+    ("uint32", "U32"),
+    ("uint64", "U64"),
+):
+    if hasattr(torch, _name):
+        _DTYPES[getattr(torch, _name)] = _code
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One model tensor: its name in the output, its key in the checkpoint, shape and dtype."""
+
+    name: str
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for dim in self.shape:
+            numel *= dim
+        return numel * self.dtype.itemsize
+
+
+@dataclass
+class Exported:
+    """What an export wrote."""
+
+    ckpt: layout.Checkpoint
+    files: list[Path]
+    tensors: int
+    total_bytes: int
+    tied: dict[str, str] = field(default_factory=dict)  # left out -> the name it is tied to
+
+
+def model_entries(ckpt: layout.Checkpoint) -> list[Entry]:
+    """The checkpoint's model tensors, in the model's order, from its metadata alone."""
+    prefix = MODEL + "."
+    entries = [
+        Entry(key[len(prefix) :], key, tuple(entry.size), entry.properties.dtype)
+        for key, entry in ckpt.metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
+    ]
+    if not entries:
+        raise UsageError(f"checkpoint {ckpt.path} holds no model tensors")
+    for e in entries:
+        if e.dtype not in _DTYPES:
+            raise UsageError(f"{e.name} is {e.dtype}, which safetensors cannot hold")
+    return entries
+
+
+# ---------------------------------------------------------------------------- the file format
+def _file_order(entries: Iterable[Entry]) -> list[Entry]:
+    """Widest dtype first (as save_pretrained does): every tensor's bytes start aligned."""
+    return sorted(entries, key=lambda e: (-e.dtype.itemsize, e.name))
+
+
+def header(entries: list[Entry], metadata: dict[str, str] | None = None) -> bytes:
+    """The length prefix and JSON header for ``entries`` stored in this order; padded with
+    spaces to a multiple of 8 bytes, as the safetensors library writes it."""
+    table: dict[str, object] = {}
+    if metadata:
+        table["__metadata__"] = dict(metadata)
+    offset = 0
+    for e in entries:
+        table[e.name] = {
+            "dtype": _DTYPES[e.dtype],
+            "shape": list(e.shape),
+            "data_offsets": [offset, offset + e.nbytes],
+        }
+        offset += e.nbytes
+    text = json.dumps(table, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+def write_safetensors(
+    path: str | os.PathLike,
+    entries: list[Entry],
+    load: Callable[[Entry], torch.Tensor],
+    metadata: dict[str, str] | None = None,
+) -> int:
+    """Write ``entries`` to ``path`` as safetensors, asking ``load`` for each tensor in turn and
+    dropping it once written. Atomic: a temporary file renamed over ``path``. Returns bytes."""
+    if sys.byteorder != "little":  # raw bytes go out as they are in memory
+        raise UsageError("safetensors export needs a little-endian machine")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header(entries, metadata))
+            for e in entries:
+                tensor = load(e)
+                if tuple(tensor.shape) != e.shape or tensor.dtype != e.dtype:
+                    raise UsageError(
+                        f"{e.name}: read {tuple(tensor.shape)} {tensor.dtype}, "
+                        f"expected {e.shape} {e.dtype}"
+                    )
+                if e.nbytes:
+                    raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                    f.write(memoryview(raw.numpy()))
+                del tensor
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path.stat().st_size
+
+
+# ---------------------------------------------------------------------------- reading
+class _Reader(dcp.FileSystemReader):
+    """A reader that reads the checkpoint's ``.metadata`` once, not once per tensor."""
+
+    _metadata = None
+
+    def read_metadata(self, *args, **kwargs):
+        if self._metadata is None:
+            self._metadata = super().read_metadata(*args, **kwargs)
+        return self._metadata
+
+
+def load_tensor(reader: dcp.FileSystemReader, entry: Entry) -> torch.Tensor:
+    """Just this one tensor of the checkpoint, whole, on CPU (DCP joins its shards)."""
+    template = {entry.key: torch.empty(entry.shape, dtype=entry.dtype)}
+    try:
+        with _one_process():
+            dcp.load(template, storage_reader=reader, no_dist=True)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UsageError(
+            f"checkpoint {reader.path}: {entry.name} could not be read: {first}"
+        ) from None
+    return template[entry.key]
+
+
+# ---------------------------------------------------------------------------- layouts
+def plan_shards(entries: list[Entry], max_shard_size: int) -> list[list[Entry]]:
+    """Consecutive groups of at most ``max_shard_size`` bytes (a bigger tensor alone)."""
+    shards: list[list[Entry]] = [[]]
+    size = 0
+    for e in entries:
+        if shards[-1] and size + e.nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += e.nbytes
+    return shards
+
+
+def parse_size(text: str) -> int:
+    """``5GB`` (powers of 10, as Hugging Face reads them), ``512MiB``, or a number of bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", text, re.IGNORECASE)
+    if not match:
+        raise UsageError(f"not a size: {text!r} (examples: 5GB, 500MB, 2GiB, 1000000)")
+    number, unit, binary = match.groups()
+    power = "KMGT".find(unit.upper()) + 1 if unit else 0
+    size = int(float(number) * (1024 if binary else 1000) ** power)
+    if size <= 0:
+        raise UsageError(f"the size must be positive: {text!r}")
+    return size
+
+
+def _hf_model_info(hf_config: dict, entries: list[Entry]) -> tuple[object, dict[str, str]]:
+    """The transformers config to write, and which names are tied to which (from the model
+    built on the meta device). A UsageError when the checkpoint does not fit the model."""
+    try:
+        import transformers
+    except ImportError:
+        raise UsageError(
+            f"exporting with a Hugging Face config needs transformers: {HF_HINT}"
+        ) from None
+    settings = dict(hf_config)
+    model_type = settings.pop("model_type", None)
+    if not model_type:
+        raise UsageError("the Hugging Face config has no model_type")
+    # The file's dtype, so that from_pretrained (dtype "auto") keeps the weights as saved.
+    floats = [e.dtype for e in entries if e.dtype.is_floating_point]
+    settings.pop("dtype", None)
+    settings.pop("torch_dtype", None)
+    if floats:
+        widest = max(set(floats), key=lambda d: sum(e.nbytes for e in entries if e.dtype == d))
+        settings["torch_dtype"] = str(widest).removeprefix("torch.")
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **settings)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UsageError(f"no Hugging Face causal LM from this config: {first}") from None
+    if not getattr(config, "architectures", None):
+        config.architectures = [type(model).__name__]
+    owner: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in owner:
+            tied[name] = owner[id(param)]
+        else:
+            owner[id(param)] = name
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    have = {e.name: e.shape for e in entries}
+    missing = sorted(k for k in expected if k not in have and k not in tied)
+    extra = sorted(k for k in have if k not in expected)
+    differ = sorted(k for k in expected if k in have and have[k] != expected[k])
+    if missing or extra or differ:
+        problems = []
+        for what, names in (
+            ("of the model's tensors are not in the checkpoint", missing),
+            ("of the checkpoint's tensors are not in the model", extra),
+            ("shapes differ", differ),
+        ):
+            if names:
+                shown = ", ".join(names[:3]) + (f", and {len(names) - 3} more" * (len(names) > 3))
+                problems.append(f"{len(names)} {what} ({shown})")
+        raise UsageError(
+            f"the checkpoint does not fit the Hugging Face {type(model).__name__}: "
+            + "; ".join(problems)
+        )
+    return config, {k: v for k, v in tied.items() if k in have}
+
+
+def _remove_stale(folder: Path, written: set[str]) -> None:
+    """Weight files of an earlier export into ``folder`` that this one did not write."""
+    for p in folder.iterdir():
+        stale = p.name in (SINGLE_FILE, INDEX_FILE) or _SHARD_RE.fullmatch(p.name)
+        if stale and p.name not in written and p.is_file():
+            p.unlink()
+
+
+def export_safetensors(
+    source: str | os.PathLike,
+    out: str | os.PathLike,
+    hf_config: dict | None = None,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+) -> Exported:
+    """Write the model of checkpoint ``source`` (a step folder or a checkpoint directory) as
+    safetensors: ``out`` ending in ``.safetensors`` is one file; any other ``out`` is a folder
+    in the ``save_pretrained`` layout (with ``config.json`` when there is a Hugging Face config:
+    ``hf_config``, else the one the checkpoint's run records under ``hf_config``)."""
+    ckpt = layout.find_checkpoint(source, [])
+    entries = model_entries(ckpt)
+    reader = _Reader(ckpt.path)
+    meta = {"format": "pt"}
+    out = Path(out)
+
+    def load(entry: Entry) -> torch.Tensor:
+        return load_tensor(reader, entry)
+
+    if hf_config is None:
+        hf_config = saved_run(ckpt).get("hf_config")
+    if out.suffix == ".safetensors":
+        if hf_config is not None:
+            raise UsageError(
+                f"{out}: a Hugging Face export is a folder (config.json and safetensors); "
+                "give a folder name, not a .safetensors file"
+            )
+        write_safetensors(out, _file_order(entries), load, meta)
+        total = sum(e.nbytes for e in entries)
+        return Exported(ckpt, [out], len(entries), total)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{out} exists and is not a folder")
+
+    config, tied = (None, {}) if hf_config is None else _hf_model_info(hf_config, entries)
+    kept = [e for e in entries if e.name not in tied]
+    shards = plan_shards(kept, max_shard_size)
+    out.mkdir(parents=True, exist_ok=True)
+    files: list[Path] = []
+    if len(shards) == 1:
+        names = [SINGLE_FILE]
+    else:
+        names = [
+            f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)
+        ]
+    for name, shard in zip(names, shards, strict=True):
+        write_safetensors(out / name, _file_order(shard), load, meta)
+        files.append(out / name)
+    total = sum(e.nbytes for e in kept)
+    if len(shards) > 1:
+        weight_map = {
+            e.name: name for name, shard in zip(names, shards, strict=True) for e in shard
+        }
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        layout._write_atomic(out / INDEX_FILE, json.dumps(index, indent=2) + "\n")
+        files.append(out / INDEX_FILE)
+    if config is not None:
+        layout._write_atomic(out / CONFIG_FILE, config.to_json_string())
+        files.append(out / CONFIG_FILE)
+    _remove_stale(out, {p.name for p in files})
+    return Exported(ckpt, files, len(kept), total, tied)
