@@ -145,6 +145,11 @@ class TrainConfig:
     # output
     metrics_file: str | None = _opt(None, "JSON-lines metrics written by rank 0")
     log_every_steps: int = _opt(10, "metrics-file step line every N optimizer steps")
+    log_level: str = _opt(
+        "info",
+        "rank 0's log level; the other ranks log warnings and errors only",
+        choices=("debug", "info", "warning", "error"),
+    )
     progress: str = _opt(
         "auto", "progress bar: auto (when a terminal) | on | off", choices=("auto", "on", "off")
     )

@@ -15,6 +15,9 @@ import torch
 import torch.nn as nn
 
 from fsdp2lab.parallel.pp import PiecewiseModule, describe, split
+from fsdp2lab.runtime import logs
+
+log = logs.get_logger(__name__)
 
 
 def group_devices(device: torch.device, n_units: int) -> list[torch.device]:
@@ -37,5 +40,5 @@ def apply_model_parallel(model: nn.Module, ctx) -> nn.Module:
         pieces += group
         piece_devices += [device] * len(group)
         where.append(f"{describe(group)} on {device}")
-    print(f"fsdp2lab: model-parallel: {'; '.join(where)}", flush=True)
+    log.info(f"fsdp2lab: model-parallel: {'; '.join(where)}")
     return PiecewiseModule(model, pieces, piece_devices, output_device=ctx.device)

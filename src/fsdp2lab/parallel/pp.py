@@ -31,8 +31,11 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.errors import UsageError
+from fsdp2lab.runtime import logs
 from fsdp2lab.runtime.mesh import ParallelDims
 from fsdp2lab.runtime.torch_compat import fix_stage_handshake, pipeline_step
+
+log = logs.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -233,7 +236,7 @@ def stage_module(model_name: str, model: nn.Module, units: list[nn.Module], mesh
     groups = split(model_name, model, units, pp_mesh.size())
     if dist.get_rank() == 0:
         stages = "; ".join(f"stage {i} {describe(g)}" for i, g in enumerate(groups))
-        print(f"fsdp2lab: pipeline: {stages}", flush=True)
+        log.info(f"fsdp2lab: pipeline: {stages}")
     module = PiecewiseModule(model, groups[pp_mesh.get_local_rank()])
     module.pp_group = pp_mesh.get_group()
     held = {id(m) for m in module.modules()}
