@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fsdp2lab import tomlio
 from fsdp2lab.errors import UsageError
 
 if sys.version_info >= (3, 11):
@@ -188,19 +189,9 @@ class TrainConfig:
         return {"adadelta": 1.0, "adam": 1e-3, "adamw": 1e-3, "sgd": 0.01}[self.optimizer]
 
     def to_toml(self) -> str:
-        """The resolved config as TOML (what ``--config`` reads back)."""
-        lines = []
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if value is None:
-                lines.append(f"# {f.name} = (unset)")
-            elif isinstance(value, bool):
-                lines.append(f"{f.name} = {'true' if value else 'false'}")
-            elif isinstance(value, (int, float)):
-                lines.append(f"{f.name} = {value!r}")
-            else:
-                lines.append(f'{f.name} = "{value}"')
-        return "\n".join(lines)
+        """The resolved config as TOML (what ``--config`` reads back); unset keys are comments."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return tomlio.dumps(values, unset_as_comment=True).removesuffix("\n")
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -247,8 +238,8 @@ def read_toml_file(path: str, what: str = "config file") -> dict[str, Any]:
     if not p.is_file():
         raise UsageError(f"{what} not found: {path}")
     try:
-        return tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
+        return tomllib.loads(p.read_text(encoding="utf-8"))  # TOML is UTF-8
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise UsageError(f"{what} {path} is not valid TOML: {e}") from None
 
 
