@@ -47,7 +47,13 @@ VARIANTS = {
 }
 # Each model also runs some of the other settings.
 EXTRA = {
-    "mlp": {2: {"fsdp1-size": [*FSDP1, "--fsdp1-min-params", "1000", "--prefetch", "1"]}},
+    "mlp": {
+        2: {
+            "fsdp1-size": [*FSDP1, "--fsdp1-min-params", "1000", "--prefetch", "1"],
+            "fsdp2-layer": [*FSDP2, "--fsdp-units", "layer"],  # 3 units, not auto's root alone
+        },
+        4: {"hsdp-layer": [*FSDP2, "--dp-replicate", "2", "--fsdp-units", "layer"]},
+    },
     "cnn": {
         2: {"fsdp1-zero2": [*FSDP1, "--reshard-after-forward", "false"]},  # SHARD_GRAD_OP
         4: {"fsdp1-hybrid-zero2": [*HYBRID, "--reshard-after-forward", "false"]},
