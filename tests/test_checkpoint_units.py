@@ -146,6 +146,21 @@ def test_bad_checkpoints_give_one_clear_error_naming_the_path(ckpt_dir: Path, ca
     assert f"checkpoint: {step6}" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"not a pickle", "cannot be read (invalid load key"),
+        (pickle.dumps({"state_dict_metadata": {}}), "is not DCP metadata"),
+    ],
+)
+def test_a_damaged_metadata_file_is_one_clear_error(ckpt_dir: Path, capsys, content, message):
+    step6 = ckpt_dir / "step-6"
+    (step6 / layout.METADATA).write_bytes(content)
+    (step6 / layout.COMPLETE).unlink()
+    layout.mark_complete(step6, {"step": 6, "contents": ["model"]})  # sizes as they are now
+    assert f"checkpoint {step6}: .metadata {message}" in _info_error(step6, capsys)
+
+
 def test_export_import_round_trip_and_refusals(ckpt_dir: Path, tmp_path: Path, capsys):
     out = tmp_path / "model.pt"
     assert cli.main(["ckpt", "export", str(ckpt_dir), str(out)]) == 0

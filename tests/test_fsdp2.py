@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import GPT_TINY, TINY, assert_close_lists, cli_env, train
+from conftest import GPT_TINY, TINY, assert_close_lists, cli_env, read_metrics, train
 
 PARITY = [
     *TINY,
@@ -23,7 +23,16 @@ PARITY = [
     "--optimizer",
     "adam",
 ]
-MODELS = {"mlp": ["--model", "mlp"], "gpt": GPT_TINY}
+# 3 blocks: with --fsdp-units layer, 3 FSDP units below the root (prefetch has a unit ahead and
+# one behind).
+MODELS = {"mlp": ["--model", "mlp"], "gpt": [*GPT_TINY, "--n-layers", "3"]}
+MESHES = {
+    "fsdp2x2": ["--nproc-per-node", "2"],
+    "hsdp2x2": ["--nproc-per-node", "4", "--dp-replicate", "2"],
+    # one unit per layer (the default, auto, groups these small models into the root alone)
+    "fsdp2x2-layer": ["--nproc-per-node", "2", "--fsdp-units", "layer"],
+}
+MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
@@ -36,14 +45,13 @@ def reference(tmp_path_factory):
     }
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
 @pytest.mark.parametrize(
-    "mesh",
-    [["--nproc-per-node", "2"], ["--nproc-per-node", "4", "--dp-replicate", "2"]],
-    ids=["fsdp2x2", "hsdp2x2"],
+    ("model", "mesh"),
+    [(m, mesh) for m in sorted(MODELS) for mesh in ("fsdp2x2", "hsdp2x2")]
+    + [("mlp", "fsdp2x2-layer")],
 )
 def test_loss_per_step_matches_single_process(tmp_path, reference, model, mesh):
-    run = train(tmp_path, *MODELS[model], *PARITY, *mesh)
+    run = train(tmp_path, *MODELS[model], *PARITY, *MESHES[mesh])
     ref = reference[model]
     assert len(run.step_losses) == 20
     assert_close_lists(run.step_losses, ref.step_losses, 1e-5)
@@ -55,11 +63,7 @@ def test_loss_per_step_matches_single_process(tmp_path, reference, model, mesh):
     assert run.step_losses[-1] < run.step_losses[0]
     # Each rank holds about 1/N of parameters + gradients + optimizer state.
     world = run.summary["world_size"]
-    shard = (
-        run.summary["dp_shard_size"]
-        if "dp_shard_size" in run.summary
-        else run.summary["mesh"]["shape"][-1]
-    )
+    shard = run.summary["mesh"]["shape"][-1]
     single_bytes = ref.summary["sharded_state_bytes"][0]
     for rank_bytes in run.summary["sharded_state_bytes"]:
         assert abs(rank_bytes - single_bytes / shard) <= 0.03 * single_bytes / shard, (
@@ -67,9 +71,12 @@ def test_loss_per_step_matches_single_process(tmp_path, reference, model, mesh):
             single_bytes,
             shard,
         )
-    assert (
-        len(run.summary["peak_memory_bytes"]) == world and min(run.summary["peak_memory_bytes"]) > 0
-    )
+    # CPU: each rank's peak resident set in bytes (a Python process with torch: 100s of MiB).
+    peaks, growths = run.summary["peak_memory_bytes"], run.summary["rss_growth_bytes"]
+    assert len(peaks) == len(growths) == world
+    for peak, growth, held in zip(peaks, growths, run.summary["sharded_state_bytes"], strict=True):
+        assert 50 * MiB < peak < 64 * 1024 * MiB and held < peak, (peak, held)
+        assert 0 <= growth <= peak, (growth, peak)
     assert run.summary["mesh"]["names"] == (
         ["dp_replicate", "dp_shard"] if world == 4 else ["dp_shard"]
     )
@@ -199,24 +206,29 @@ def test_clipped_gradient_norm_equals_single_process(tmp_path):
 
 
 def test_prefetch_and_reshard_settings_do_not_change_results(tmp_path, reference):
-    run = train(
-        tmp_path,
-        *GPT_TINY,
-        *PARITY,
-        "--nproc-per-node",
-        "2",
-        "--prefetch",
-        "1",
-        "--reshard-after-forward",
-        "false",
-    )
-    assert_close_lists(run.step_losses, reference["gpt"].step_losses, 1e-5)
+    metrics = tmp_path / "run.jsonl"
+    reports = _torchrun(
+        tmp_path, *MODELS["gpt"], *PARITY, "--fsdp-units", "layer", "--prefetch", "1",
+        "--reshard-after-forward", "false", "--metrics-file", str(metrics),
+    )  # fmt: skip
+    for report in reports:
+        prefetch = report["prefetch"]  # FSDP module -> the modules it prefetches
+        assert sorted(prefetch) == ["", "blocks.0", "blocks.1", "blocks.2"]  # root + 3 units
+        assert {name: p["forward"] for name, p in prefetch.items()} == {
+            "": [], "blocks.0": ["blocks.1"], "blocks.1": ["blocks.2"], "blocks.2": [],
+        }  # fmt: skip
+        assert {name: p["backward"] for name, p in prefetch.items()} == {
+            "": [], "blocks.0": [], "blocks.1": ["blocks.0"], "blocks.2": ["blocks.1"],
+        }  # fmt: skip
+    losses = [r["loss"] for r in read_metrics(metrics) if r["event"] == "step"]
+    assert len(losses) == 20
+    assert_close_lists(losses, reference["gpt"].step_losses, 1e-5)
 
 
 def test_gloo_builtin_collectives_train_the_same_as_the_rings(tmp_path, reference):
     # The default (rings) is what every other test runs; here gloo's own, one unit per block.
     run = train(
-        tmp_path, *GPT_TINY, *PARITY, "--nproc-per-node", "2", "--fsdp-units", "layer",
+        tmp_path, *MODELS["gpt"], *PARITY, "--nproc-per-node", "2", "--fsdp-units", "layer",
         "--gloo-collectives", "builtin",
     )  # fmt: skip
     assert_close_lists(run.step_losses, reference["gpt"].step_losses, 1e-5)

@@ -14,10 +14,10 @@ from torch.distributed.fsdp import ShardingStrategy
 
 from conftest import GPT_TINY, TINY, assert_close_lists, cli_env, read_metrics, train
 from fsdp2lab import cli
-from fsdp2lab.parallel import fsdp1
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.models import get_spec
 from fsdp2lab.models.materialize import build_on_meta
+from fsdp2lab.parallel import fsdp1
 from fsdp2lab.parallel.fsdp2 import default_unit_min_params, unit_groups
 
 STEPS = 50
@@ -47,7 +47,13 @@ VARIANTS = {
 }
 # Each model also runs some of the other settings.
 EXTRA = {
-    "mlp": {2: {"fsdp1-size": [*FSDP1, "--fsdp1-min-params", "1000", "--prefetch", "1"]}},
+    "mlp": {
+        2: {
+            "fsdp1-size": [*FSDP1, "--fsdp1-min-params", "1000", "--prefetch", "1"],
+            "fsdp2-layer": [*FSDP2, "--fsdp-units", "layer"],  # 3 units, not auto's root alone
+        },
+        4: {"hsdp-layer": [*FSDP2, "--dp-replicate", "2", "--fsdp-units", "layer"]},
+    },
     "cnn": {
         2: {"fsdp1-zero2": [*FSDP1, "--reshard-after-forward", "false"]},  # SHARD_GRAD_OP
         4: {"fsdp1-hybrid-zero2": [*HYBRID, "--reshard-after-forward", "false"]},

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fsdp2lab import tomlio
 from fsdp2lab.errors import UsageError
 
 if sys.version_info >= (3, 11):
@@ -157,6 +158,11 @@ class TrainConfig:
     # output
     metrics_file: str | None = _opt(None, "JSON-lines metrics written by rank 0")
     log_every_steps: int = _opt(10, "metrics-file step line every N optimizer steps")
+    log_level: str = _opt(
+        "info",
+        "rank 0's log level; the other ranks log warnings and errors only",
+        choices=("debug", "info", "warning", "error"),
+    )
     progress: str = _opt(
         "auto", "progress bar: auto (when a terminal) | on | off", choices=("auto", "on", "off")
     )
@@ -199,19 +205,9 @@ class TrainConfig:
         return {"adadelta": 1.0, "adam": 1e-3, "adamw": 1e-3, "sgd": 0.01}[self.optimizer]
 
     def to_toml(self) -> str:
-        """The resolved config as TOML (what ``--config`` reads back)."""
-        lines = []
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if value is None:
-                lines.append(f"# {f.name} = (unset)")
-            elif isinstance(value, bool):
-                lines.append(f"{f.name} = {'true' if value else 'false'}")
-            elif isinstance(value, (int, float)):
-                lines.append(f"{f.name} = {value!r}")
-            else:
-                lines.append(f'{f.name} = "{value}"')
-        return "\n".join(lines)
+        """The resolved config as TOML (what ``--config`` reads back); unset keys are comments."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return tomlio.dumps(values, unset_as_comment=True).removesuffix("\n")
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -258,8 +254,8 @@ def read_toml_file(path: str, what: str = "config file") -> dict[str, Any]:
     if not p.is_file():
         raise UsageError(f"{what} not found: {path}")
     try:
-        return tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
+        return tomllib.loads(p.read_text(encoding="utf-8"))  # TOML is UTF-8
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise UsageError(f"{what} {path} is not valid TOML: {e}") from None
 
 

@@ -1,16 +1,35 @@
 """Run under torchrun: build a Trainer from ``fsdp2lab train`` flags, train, and report per rank
-how its parameters are held (as JSON in $OUT_DIR/rank<N>.json) for tests/test_fsdp2.py."""
+how its parameters are held and which FSDP modules prefetch which (as JSON in
+$OUT_DIR/rank<N>.json) for tests/test_fsdp2.py."""
 
 import argparse
 import json
 import os
 import sys
 
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from fsdp2lab.config import add_train_arguments, config_from_args
 from fsdp2lab.runtime import distributed, launch_env
 from fsdp2lab.training.trainer import Trainer
+
+
+def prefetch_lists(model) -> dict:
+    """Each FSDP module's explicit prefetch targets, by module name ("" is the root). FSDP2 keeps
+    them on the module's state (FSDPModule.set_modules_to_forward_prefetch and its backward twin
+    set these lists; torch 2.8 to 2.14)."""
+    fsdp = {name: m for name, m in model.named_modules() if isinstance(m, FSDPModule)}
+    state_name = {id(m._get_fsdp_state()): name for name, m in fsdp.items()}
+    return {
+        name: {
+            "forward": [state_name[id(s)] for s in m._get_fsdp_state()._states_to_forward_prefetch],
+            "backward": [
+                state_name[id(s)] for s in m._get_fsdp_state()._states_to_backward_prefetch
+            ],
+        }
+        for name, m in fsdp.items()
+    }
 
 
 def main() -> None:
@@ -36,7 +55,8 @@ def main() -> None:
                     "numel": p.numel(),
                 }
                 for name, p in trainer.model.named_parameters()
-            }
+            },
+            "prefetch": prefetch_lists(trainer.model),
         }
         with open(os.path.join(os.environ["OUT_DIR"], f"rank{runtime.rank}.json"), "w") as f:
             json.dump(report, f)

@@ -165,7 +165,7 @@ def _one_run(i, run, n, bar, out, launcher, timeout_s, srun_args, resume, thread
     if folder.exists():
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
-    (folder / "config.toml").write_text(to_toml(run.values))
+    (folder / "config.toml").write_text(to_toml(run.values), encoding="utf-8")
     cmd = command(run, folder, launcher, srun_args)
     (folder / "command.txt").write_text(shlex.join(cmd) + "\n")
     t0 = time.monotonic()

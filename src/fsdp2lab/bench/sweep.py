@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fsdp2lab import tomlio
 from fsdp2lab.config import PRECISIONS, TrainConfig, load_toml, read_toml_file, validate_basic
 from fsdp2lab.errors import UsageError
 
@@ -104,7 +105,7 @@ def check_train_keys(values: dict[str, Any], where: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "keys.toml"
         try:
-            path.write_text(to_toml(values))
+            path.write_text(to_toml(values), encoding="utf-8")
             checked = load_toml(str(path))
         except UsageError as e:
             raise UsageError(f"{where}: {e}".replace(f": config file {path}:", ":")) from None
@@ -119,18 +120,10 @@ def check_train_keys(values: dict[str, Any], where: str) -> dict[str, Any]:
 
 def to_toml(values: dict[str, Any]) -> str:
     """Flat ``key = value`` TOML of scalars (what ``load_toml`` reads back)."""
-    lines = []
-    for key, value in values.items():
-        if isinstance(value, bool):
-            text = "true" if value else "false"
-        elif isinstance(value, (int, float)):
-            text = repr(value)
-        elif isinstance(value, str):
-            text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        else:
-            raise UsageError(f"{key} must be a string, number or boolean, got {value!r}")
-        lines.append(f"{key} = {text}")
-    return "\n".join(lines) + "\n"
+    try:
+        return tomlio.dumps(values)
+    except TypeError as e:
+        raise UsageError(str(e)) from None
 
 
 def load_sweep(path: str | None) -> Sweep:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
 from fsdp2lab.errors import UsageError
@@ -178,8 +178,11 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     for name, size in files.items():
         _check_file(path, name, size)
     try:
-        with open(path / METADATA, "rb") as f:
-            metadata = pickle.load(f)
+        metadata = FileSystemReader(path).read_metadata()
+    except AttributeError as e:
+        if "storage_meta" not in str(e):
+            raise UsageError(f"checkpoint {path}: {METADATA} cannot be read ({e})") from None
+        metadata = None  # a pickle of something else: read_metadata could not tag it
     except Exception as e:
         raise UsageError(f"checkpoint {path}: {METADATA} cannot be read ({e})") from None
     if not isinstance(metadata, Metadata):

@@ -37,13 +37,16 @@ from fsdp2lab.checkpoint import layout
 from fsdp2lab.checkpoint import state as ckpt_state
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.errors import TrainingFailed, UsageError
-from fsdp2lab.runtime import faults
+from fsdp2lab.runtime import faults, logs
 from fsdp2lab.runtime.distributed import Runtime, new_io_group, on_rank0
-from fsdp2lab.training.hooks import Hooks, log0
+from fsdp2lab.training.hooks import Hooks
 from fsdp2lab.training.nan_guard import all_finite
 
 if TYPE_CHECKING:
     from fsdp2lab.training.trainer import Trainer
+
+
+log = logs.get_logger(__name__)
 
 
 def choose_resume(cfg: TrainConfig, notes: list[str]) -> layout.Checkpoint | None:
@@ -108,14 +111,14 @@ class CheckpointManager(Hooks):
         notes: list[str] = []
         ckpt, notes = on_rank0(lambda: (choose_resume(self.cfg, notes), notes))
         for note in notes:
-            log0(self.runtime, f"fsdp2lab: checkpoint: {note}")
+            log.info(f"fsdp2lab: checkpoint: {note}")
         if ckpt is not None:
             self.load(trainer, ckpt)
         if self.root is not None:  # only once the checkpoint loaded: bad input changes nothing
             if self.runtime.is_main:
                 self.root.mkdir(parents=True, exist_ok=True)
                 for path in layout.remove_unfinished(self.root):
-                    log0(self.runtime, f"fsdp2lab: checkpoint: removed unfinished save {path}")
+                    log.info(f"fsdp2lab: checkpoint: removed unfinished save {path}")
             _barrier()
 
     def epoch_started(self, trainer: Trainer) -> None:
@@ -158,10 +161,11 @@ class CheckpointManager(Hooks):
         path = layout.step_dir(self.root, step)
         self.last_saved_step = step
         if layout.is_complete(path):
-            log0(self.runtime, f"fsdp2lab: checkpoint: {path} already exists; not saved again")
+            log.info(f"fsdp2lab: checkpoint: {path} already exists; not saved again")
             return
         if not all_finite(trainer.model.parameters(), trainer.device):
-            log0(self.runtime, f"fsdp2lab: checkpoint: {path} not saved: non-finite weights")
+            if self.runtime.is_main:
+                log.warning(f"fsdp2lab: checkpoint: {path} not saved: non-finite weights")
             return
         info = ckpt_state.marker_info(trainer)
         started = time.perf_counter()
@@ -219,8 +223,7 @@ class CheckpointManager(Hooks):
             with contextlib.suppress(OSError):
                 layout.remove(path)
             newest = layout.read_latest(self.root) or "none"
-            log0(
-                self.runtime,
+            log.warning(
                 f"fsdp2lab: warning: checkpoint not saved: {self.failed}; training goes on, "
                 f"--resume auto would take {newest}",
             )
@@ -237,14 +240,13 @@ class CheckpointManager(Hooks):
             return self._failed(path, e)
         self.failed = None
         size = sum(marker["files"].values())
-        log0(
-            self.runtime,
+        log.info(
             f"fsdp2lab: checkpoint saved: {path} ({size / 1e6:.2f} MB, "
             f"{time.perf_counter() - started:.2f}s)",
         )
         if self.cfg.keep_last:
             for old in layout.prune(self.root, self.cfg.keep_last):
-                log0(self.runtime, f"fsdp2lab: checkpoint: removed {old} (--keep-last)")
+                log.info(f"fsdp2lab: checkpoint: removed {old} (--keep-last)")
 
     # ------------------------------------------------------------------ resume
     def load(self, trainer: Trainer, ckpt: layout.Checkpoint) -> None:
@@ -270,8 +272,7 @@ class CheckpointManager(Hooks):
             raise UsageError(f"checkpoint {ckpt.path} could not be read: {first}") from None
         ckpt_state.apply(trainer, template)
         if not full:
-            log0(
-                self.runtime,
+            log.info(
                 f"fsdp2lab: checkpoint: loaded model weights from {ckpt.path}; optimizer, "
                 "schedule and data start fresh",
             )
@@ -279,8 +280,7 @@ class CheckpointManager(Hooks):
         self._check_loader(trainer, ckpt, own, run)
         self._restore_rng(trainer, own, run)
         st = trainer.state
-        log0(
-            self.runtime,
+        log.info(
             f"fsdp2lab: checkpoint: resumed from {ckpt.path}: step {st.step}, epoch {st.epoch} "
             f"({st.epoch_samples} samples into it), {st.samples_seen} samples seen; saved by "
             f"{run.get('strategy')} on {run.get('world_size')} rank(s), mesh "
@@ -313,8 +313,7 @@ class CheckpointManager(Hooks):
             restore = lambda: ckpt_state.restore_rng(trainer, own)  # noqa: E731
         else:
             restore = lambda: ckpt_state.reseed_rng(trainer)  # noqa: E731
-            log0(
-                self.runtime,
+            log.info(
                 f"fsdp2lab: checkpoint: RNG states were saved by {run.get('world_size')} rank(s) "
                 f"and do not map onto {self.runtime.world_size}: each rank's dropout RNG is "
                 "reseeded from (seed, step, rank)",

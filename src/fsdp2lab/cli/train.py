@@ -35,12 +35,13 @@ def default_nproc(cfg: TrainConfig) -> int:
 
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     from fsdp2lab.plan import resolve
-    from fsdp2lab.runtime import launch_env, local_launcher
+    from fsdp2lab.runtime import launch_env, local_launcher, logs
     from fsdp2lab.runtime.worker import run_rank
 
     try:
         cfg = config_from_args(args)
         launch = launch_env.detect()
+        logs.setup(cfg.log_level, launch.rank)
         if launch.mode == "standalone":
             nproc = cfg.nproc_per_node or default_nproc(cfg)
             plan = resolve(cfg, nproc)

@@ -39,7 +39,11 @@ from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy, size_based_auto
 
 from fsdp2lab.errors import UsageError
 from fsdp2lab.parallel.precision import DTYPES
+from fsdp2lab.runtime import logs
 from fsdp2lab.runtime.mesh import dp_mesh
+
+log = logs.get_logger(__name__)
+
 
 DEPRECATION_NOTE = (
     "fsdp2lab: note: --strategy fsdp1 runs the legacy FullyShardedDataParallel, which PyTorch "
@@ -97,7 +101,7 @@ def apply_fsdp1(model: nn.Module, plan, mesh, device) -> nn.Module:
     if plan.dims.dp == 1:
         strategy = ShardingStrategy.NO_SHARD  # what FSDP1 switches to itself, with a warning
     if dist.get_rank() == 0:
-        print(DEPRECATION_NOTE, flush=True)
+        log.info(DEPRECATION_NOTE)
     for pattern in _EXPECTED_WARNINGS:  # for the rest of this process: training and checkpoints
         warnings.filterwarnings("ignore", message=pattern)
     return FSDP(

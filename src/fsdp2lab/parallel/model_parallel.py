@@ -15,6 +15,9 @@ import torch
 import torch.nn as nn
 
 from fsdp2lab.parallel.pp import describe
+from fsdp2lab.runtime import logs
+
+log = logs.get_logger(__name__)
 
 
 def group_count(device_preference: str, n_units: int) -> int:
@@ -41,6 +44,6 @@ def apply_model_parallel(model: nn.Module, plan, mesh, device: torch.device) -> 
             module.to(target)
             module.register_forward_pre_hook(_to(target))
         where.append(f"{describe(group)} on {target}")
-    print(f"fsdp2lab: model-parallel: {'; '.join(where)}", flush=True)
+    log.info(f"fsdp2lab: model-parallel: {'; '.join(where)}")
     model.register_forward_hook(lambda module, args, out: out.to(device))
     return model

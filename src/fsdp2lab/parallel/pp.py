@@ -28,9 +28,11 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.errors import UsageError
 from fsdp2lab.models.spec import ModelSpec
+from fsdp2lab.runtime import logs
 from fsdp2lab.runtime.mesh import ParallelDims
 from fsdp2lab.runtime.torch_compat import fix_stage_handshake, pipeline_step
 
+log = logs.get_logger(__name__)
 _PP_GROUP = "_fsdp2lab_pp_group"  # attribute set on a pipeline stage: its stages' process group
 
 
@@ -123,7 +125,7 @@ def stage_module(
     """This rank's stage of ``model`` (on the meta device, not yet parallelised), in place."""
     if dist.get_rank() == 0:
         stages_text = "; ".join(f"stage {i} {describe(g)}" for i, g in enumerate(stages))
-        print(f"fsdp2lab: pipeline: {stages_text}", flush=True)
+        log.info(f"fsdp2lab: pipeline: {stages_text}")
     mine = pp_mesh.get_local_rank()
     remove_modules(model, [n for i, g in enumerate(stages) if i != mine for n in g])
     setattr(model, _PP_GROUP, pp_mesh.get_group())

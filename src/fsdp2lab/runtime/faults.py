@@ -18,8 +18,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+
+from fsdp2lab.runtime import logs
+
+log = logs.get_logger(__name__)
 
 
 def _at(name: str, rank: int, step: int) -> bool:
@@ -55,7 +58,7 @@ class _CrashAfterWrite(dcp.FileSystemWriter):
     def write_data(self, plan, planner):
         written = super().write_data(plan, planner)
         written.wait()
-        print(f"[rank {dist.get_rank()}] dying mid-save (FSDP2LAB_CKPT_CRASH_AT)", flush=True)
+        log.warning("dying mid-save (FSDP2LAB_CKPT_CRASH_AT)", extra=logs.EVERY_RANK)
         os._exit(43)
 
 

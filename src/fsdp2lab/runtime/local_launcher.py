@@ -14,6 +14,11 @@ import subprocess
 import sys
 import time
 
+from fsdp2lab.runtime import logs
+
+log = logs.get_logger(__name__)
+
+
 _GRACE_S = 5.0
 
 
@@ -68,7 +73,7 @@ def _wait(procs: list[subprocess.Popen]) -> int:
             if code > 0:
                 return code
             name = signal.Signals(-code).name if -code in signal.valid_signals() else -code
-            print(f"fsdp2lab: error: rank {rank} was killed by {name}", file=sys.stderr, flush=True)
+            log.error(f"fsdp2lab: error: rank {rank} was killed by {name}")
             return 1
         if all(c == 0 for c in codes):
             return 0

@@ -27,13 +27,16 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from fsdp2lab.runtime import faults
+from fsdp2lab.runtime import faults, logs
 from fsdp2lab.runtime.distributed import Runtime
-from fsdp2lab.training.hooks import Hooks, StopTraining, log0
+from fsdp2lab.training.hooks import Hooks, StopTraining
 
 if TYPE_CHECKING:
     from fsdp2lab.checkpoint.manager import CheckpointManager
     from fsdp2lab.training.trainer import Trainer
+
+log = logs.get_logger(__name__)
+
 
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 # `scontrol show job` of a job whose SIGTERM came from its time limit or a preemption.
@@ -129,16 +132,15 @@ class Preemption(Hooks):
         ckpt = self.checkpoints
         if ckpt is None or ckpt.root is None:
             note = "no --ckpt-dir, so nothing is saved and the job is not requeued"
-            log0(rt, f"fsdp2lab: preemption: {name} at step {step}; {note}")
+            log.info(f"fsdp2lab: preemption: {name} at step {step}; {note}")
             raise StopTraining(f"{name} at step {step}, without a checkpoint")
         ckpt.save(trainer)  # a no-op if this step is saved already
         ckpt.close()  # wait for a background save: the checkpoint is complete before a requeue
         job = slurm_job_id()
         if rt.is_main:
             outcome = requeue(job, signum) if job else "not under Slurm: no requeue"
-            log0(
-                rt,
-                f"fsdp2lab: preemption: {name} after step {step}; saved in {ckpt.root}; {outcome}",
+            log.info(
+                f"fsdp2lab: preemption: {name} after step {step}; saved in {ckpt.root}; {outcome}"
             )
         raise StopTraining(f"{name} at step {step}, checkpoint saved")
 

@@ -59,6 +59,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from fsdp2lab.runtime import logs
+
+log = logs.get_logger(__name__)
+
+
 _noticed: set[str] = set()
 
 
@@ -69,7 +74,7 @@ def notice(key: str, message: str) -> None:
     _noticed.add(key)
     rank0 = dist.get_rank() == 0 if dist.is_initialized() else os.environ.get("RANK", "0") == "0"
     if rank0:
-        print(f"fsdp2lab: {message}", flush=True)
+        log.info(f"fsdp2lab: {message}")
 
 
 def _takes(fn: Callable, name: str) -> bool:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -26,12 +25,15 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from fsdp2lab.runtime import distributed
+from fsdp2lab.runtime import distributed, logs
 from fsdp2lab.runtime.distributed import Runtime
-from fsdp2lab.training.hooks import Hooks, log0
+from fsdp2lab.training.hooks import Hooks
 
 if TYPE_CHECKING:
     from fsdp2lab.training.trainer import Trainer
+
+log = logs.get_logger(__name__)
+
 
 EXIT_CODE = 3
 DONE = "done"
@@ -68,7 +70,10 @@ class Watchdog(Hooks):
                 dog.store = dist.PrefixStore("fsdp2lab-heartbeat", store)
                 dog._beat()
             except Exception as e:  # training works without it; only hangs are found later
-                log0(runtime, f"fsdp2lab: warning: no watchdog, the c10d store is unreachable: {e}")
+                if runtime.is_main:
+                    log.warning(
+                        f"fsdp2lab: warning: no watchdog, the c10d store is unreachable: {e}"
+                    )
                 return dog
             now = time.monotonic()
             dog.seen = {r: (None, now) for r in dog.watched}
@@ -129,10 +134,8 @@ class Watchdog(Hooks):
         if self._stop.is_set():
             return
         step = value.decode().split(":")[1] if value else "?"
-        print(
+        log.error(
             f"fsdp2lab: error: rank {rank} stopped responding at step {step} "
-            f"(no heartbeat for {silent_s:.0f} s); ending the job",
-            file=sys.stderr,
-            flush=True,
+            f"(no heartbeat for {silent_s:.0f} s); ending the job"
         )
         os._exit(EXIT_CODE)

@@ -7,16 +7,16 @@ only because a peer died (its collective broke) prints one line, not a second tr
 
 from __future__ import annotations
 
-import sys
-import traceback
 from collections.abc import Callable
 
 import torch.distributed as dist
 
 from fsdp2lab.errors import USAGE_EXIT_CODE, TrainingFailed, UsageError
-from fsdp2lab.runtime import distributed
+from fsdp2lab.runtime import distributed, logs
 from fsdp2lab.runtime.distributed import Runtime
 from fsdp2lab.runtime.launch_env import LaunchEnv
+
+log = logs.get_logger(__name__)
 
 _PEER_FAILURE_MARKERS = (
     "Connection closed by peer",
@@ -40,13 +40,14 @@ def run_rank(
     collective_timeout_s: float = 120.0,
 ) -> int:
     """Run ``work`` on this rank; return the process exit code."""
+    logs.setup(rank=launch.rank)
     try:
         runtime = distributed.init(launch, device, collective_timeout_s)
         work(runtime)
         return 0
     except (UsageError, TrainingFailed) as e:
         if launch.rank == 0:
-            print(f"fsdp2lab: error: {e}", file=sys.stderr, flush=True)
+            log.error(f"fsdp2lab: error: {e}")
         return USAGE_EXIT_CODE if isinstance(e, UsageError) else 1
     except KeyboardInterrupt:
         return 130
@@ -58,18 +59,9 @@ def run_rank(
                 why = (
                     f"a collective waited longer than --collective-timeout {collective_timeout_s:g}"
                 )
-            print(
-                f"[rank {launch.rank}] stopped: {why} ({first_line[:200]})",
-                file=sys.stderr,
-                flush=True,
-            )
+            log.error(f"stopped: {why} ({first_line[:200]})", extra=logs.EVERY_RANK)
         else:
-            print(
-                f"[rank {launch.rank}] failed:\n{traceback.format_exc()}",
-                file=sys.stderr,
-                end="",
-                flush=True,
-            )
+            log.error("failed:", exc_info=True, extra=logs.EVERY_RANK)
         return 1
     finally:
         distributed.destroy()

@@ -1,6 +1,6 @@
-"""What the trainer shares with the code that hooks into it: the train state, the hook points,
-the way to stop early, and rank-0 output. Checkpointing, preemption and other observers import
-this module, not the trainer."""
+"""What the trainer shares with the code that hooks into it: the train state, the hook points
+and the way to stop early. Checkpointing, preemption and other observers import this module, not
+the trainer; they log through ``fsdp2lab.runtime.logs``."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-
-from fsdp2lab.runtime.distributed import Runtime
 
 if TYPE_CHECKING:
     from fsdp2lab.training.trainer import Trainer
@@ -41,8 +39,3 @@ class Hooks:
 
 class StopTraining(Exception):
     """Raised by a hook to end training early and cleanly (e.g. after a preemption checkpoint)."""
-
-
-def log0(runtime: Runtime, *args, **kwargs) -> None:
-    if runtime.is_main:
-        print(*args, **kwargs, flush=True)

@@ -10,11 +10,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from fsdp2lab.errors import UsageError
+from fsdp2lab.runtime import logs
 from fsdp2lab.runtime.torch_compat import cuda_memory_history
-from fsdp2lab.training.hooks import Hooks, log0
+from fsdp2lab.training.hooks import Hooks
 
 if TYPE_CHECKING:
     from fsdp2lab.training.trainer import Trainer
+
+
+log = logs.get_logger(__name__)
 
 
 def check_available(device: str) -> None:
@@ -44,4 +48,4 @@ class MemorySnapshot(Hooks):
         record, dump = cuda_memory_history()
         dump(str(self.path))
         record(enabled=None)
-        log0(trainer.runtime, f"fsdp2lab: memory snapshot written to {self.path}")
+        log.info(f"fsdp2lab: memory snapshot written to {self.path}")

@@ -18,11 +18,15 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from fsdp2lab.errors import TrainingFailed
+from fsdp2lab.runtime import logs
 from fsdp2lab.runtime.distributed import Runtime
-from fsdp2lab.training.hooks import Hooks, log0
+from fsdp2lab.training.hooks import Hooks
 
 if TYPE_CHECKING:
     from fsdp2lab.training.trainer import Trainer
+
+
+log = logs.get_logger(__name__)
 
 
 def _nonfinite(tensors, device: torch.device) -> torch.Tensor:
@@ -60,8 +64,8 @@ class NanGuard(Hooks):
                 f"non-finite {what} at step {step}: training stopped before its update "
                 f"(--on-nan stop); no checkpoint holds it, --resume auto takes the newest"
             )
-        log0(
-            self.runtime,
-            f"fsdp2lab: non-finite {what} at step {step}: update skipped (--on-nan skip)",
-        )
+        if self.runtime.is_main:  # every rank skips; one line says so
+            log.warning(
+                f"fsdp2lab: non-finite {what} at step {step}: update skipped (--on-nan skip)"
+            )
         return True

@@ -6,13 +6,16 @@ from fsdp2lab.checkpoint.manager import CheckpointManager
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.errors import TrainingFailed
 from fsdp2lab.plan import RunPlan, resolve
+from fsdp2lab.runtime import logs
 from fsdp2lab.runtime.distributed import Runtime
 from fsdp2lab.runtime.preemption import Preemption
 from fsdp2lab.runtime.watchdog import Watchdog
 from fsdp2lab.training import progress
-from fsdp2lab.training.hooks import Hooks, log0
+from fsdp2lab.training.hooks import Hooks
 from fsdp2lab.training.nan_guard import NanGuard
 from fsdp2lab.training.trainer import Trainer
+
+log = logs.get_logger(__name__)
 
 
 def observers(cfg: TrainConfig, runtime: Runtime) -> list[Hooks]:
@@ -34,7 +37,7 @@ def observers(cfg: TrainConfig, runtime: Runtime) -> list[Hooks]:
 def run_training(plan: RunPlan | TrainConfig, runtime: Runtime) -> dict:
     if isinstance(plan, TrainConfig):
         plan = resolve(plan, runtime.world_size)
-    log0(runtime, "fsdp2lab: resolved config\n" + plan.cfg.to_toml() + "\n")
+    log.info("fsdp2lab: resolved config\n" + plan.cfg.to_toml() + "\n")
     watchdog = Watchdog.start(runtime)  # reports a rank that stops responding
     try:
         return _train(plan, runtime, watchdog)
@@ -61,5 +64,5 @@ def _train(plan: RunPlan, runtime: Runtime, watchdog: Watchdog) -> dict:
         from fsdp2lab.checkpoint.export import save_full_model
 
         save_full_model(trainer.model, cfg.save_model, runtime)
-        log0(runtime, f"fsdp2lab: model saved to {cfg.save_model}")
+        log.info(f"fsdp2lab: model saved to {cfg.save_model}")
     return summary

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fsdp2lab.training.hooks import Hooks, log0
+from fsdp2lab.runtime import logs
+from fsdp2lab.training.hooks import Hooks
 
 if TYPE_CHECKING:
     from fsdp2lab.training.trainer import Trainer
+
+log = logs.get_logger(__name__)
+
 
 _NOT_SCALARS = ("event", "time", "step", "epoch", "samples_seen")
 
@@ -46,7 +50,7 @@ class TensorBoardWriter(Hooks):
         step = trainer.state.step
         self.writer = SummaryWriter(self.log_dir, purge_step=step + 1 if step else None)
         self.writer.add_text("config", "```toml\n" + trainer.cfg.to_toml() + "\n```", step)
-        log0(trainer.runtime, f"fsdp2lab: TensorBoard logs in {self.log_dir}")
+        log.info(f"fsdp2lab: TensorBoard logs in {self.log_dir}")
 
     def after_step(self, trainer: Trainer) -> None:
         record = trainer.last_step_record

@@ -24,12 +24,14 @@ from fsdp2lab.parallel.fsdp2 import reshard_all
 from fsdp2lab.parallel.pp import Pipeline
 from fsdp2lab.parallel.precision import DTYPES
 from fsdp2lab.plan import RunPlan, resolve
-from fsdp2lab.runtime import faults
+from fsdp2lab.runtime import faults, logs
 from fsdp2lab.runtime.distributed import Runtime, on_rank0
 from fsdp2lab.runtime.mesh import build_mesh, dp_rank
 from fsdp2lab.training import metrics as m
-from fsdp2lab.training.hooks import Hooks, StopTraining, TrainState, log0
+from fsdp2lab.training.hooks import Hooks, StopTraining, TrainState
 from fsdp2lab.training.optim import build_optimizer, build_scheduler
+
+log = logs.get_logger(__name__)
 
 
 class Trainer:
@@ -202,8 +204,8 @@ class Trainer:
         return loss_sum, samples
 
     def fit(self) -> dict:
-        cfg, rt = self.cfg, self.runtime
-        log0(rt, self.describe())
+        cfg = self.cfg
+        log.info(self.describe())
         for hook in self.hooks:
             hook.before_fit(self)
         start = time.perf_counter()
@@ -211,7 +213,7 @@ class Trainer:
             while self.state.epoch <= cfg.epochs and not self._done():
                 self._train_epoch()
         except StopTraining as stop:
-            log0(rt, f"fsdp2lab: training stopped: {stop}")
+            log.info(f"fsdp2lab: training stopped: {stop}")
             self.train_time_s += time.perf_counter() - start
             return {}
         self.train_time_s += time.perf_counter() - start
@@ -254,17 +256,16 @@ class Trainer:
         epoch_time = time.perf_counter() - t0
         total_loss, total_count = self._all_reduce_sum([float(loss_sum), float(sample_count)])
         train_loss = total_loss / max(total_count, 1)
-        log0(rt, f"Train Epoch: {st.epoch} \tLoss: {train_loss:.6f}")
+        log.info(f"Train Epoch: {st.epoch} \tLoss: {train_loss:.6f}")
         self.last_eval = self.evaluate()
         ev = self.last_eval
-        log0(
-            rt,
+        log.info(
             f"Test set: Average loss: {ev['test_loss']:.4f}, Accuracy: {ev['correct']}/{ev['count']} "
             f"({100.0 * ev['test_accuracy']:.2f}%)",
         )
         epoch_samples = total_count / self.replicas_per_dp_rank
         samples_per_s = epoch_samples / epoch_time if epoch_time > 0 else 0.0
-        log0(rt, f"Epoch {st.epoch} time: {epoch_time:.2f}s ({samples_per_s:,.0f} samples/s)\n")
+        log.info(f"Epoch {st.epoch} time: {epoch_time:.2f}s ({samples_per_s:,.0f} samples/s)\n")
         self.epoch_times.append(epoch_time)
         self.last_epoch_record = self.metrics.write(
             "epoch",
