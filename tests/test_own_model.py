@@ -161,10 +161,14 @@ def test_own_model_resumes_bitwise_and_exports_into_a_fresh_build(model_file, tm
              "--nproc-per-node", "2", "--fsdp-units", "layer"]  # fmt: skip
     straight, resumed = tmp_path / "straight.jsonl", tmp_path / "resumed.jsonl"
     ckpt = tmp_path / "ckpt"
-    run_cli("train", *flags, "--metrics-file", str(straight))
     half = [*flags, "--ckpt-dir", str(ckpt), "--ckpt-every-steps", "10"]
-    run_cli("train", *half, "--max-steps", "10", "--metrics-file", str(tmp_path / "first.jsonl"))
-    run_cli("train", *half, "--metrics-file", str(resumed))
+    for args in (
+        [*flags, "--metrics-file", str(straight)],
+        [*half, "--max-steps", "10", "--metrics-file", str(tmp_path / "first.jsonl")],
+        [*half, "--metrics-file", str(resumed)],
+    ):
+        proc = run_cli(["train", *args], cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
     assert _losses(read_metrics(resumed)) == _losses(read_metrics(straight))[10:]  # bitwise
     exported = tmp_path / "model.pt"
     assert cli.main(["ckpt", "export", str(ckpt), str(exported)]) == 0

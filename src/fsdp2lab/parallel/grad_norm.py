@@ -16,13 +16,21 @@ from torch.distributed.tensor import DTensor
 def total_grad_norm(parameters, pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The norm of all gradients; with ``pp_group``, over the parameters of every pipeline stage."""
     parameters = list(parameters)
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if grads:
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    else:
-        norm = torch.zeros((), device=parameters[0].device if parameters else "cpu")
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    device = parameters[0].device if parameters else "cpu"
+    # Gradients on different meshes (a TP plan that leaves some layers whole: those are sharded
+    # over the data-parallel mesh only) are normed per mesh, then combined.
+    by_mesh: dict = {}
+    for p in parameters:
+        if p.grad is not None:
+            mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            by_mesh.setdefault(mesh, []).append(p.grad)
+    squares = torch.zeros((), device=device)
+    for grads in by_mesh.values():
+        part = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        if isinstance(part, DTensor):
+            part = part.full_tensor()
+        squares = squares + part.float() ** 2
+    norm = squares.sqrt() if len(by_mesh) > 1 else (part if by_mesh else squares)
     if pp_group is not None:
         # Each stage holds different parameters: the total is the root of the summed squares.
         squared = norm.float() ** 2
