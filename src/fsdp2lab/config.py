@@ -27,6 +27,7 @@ DATASETS = ("auto", "mnist", "fashion-mnist", "cifar10", "synthetic", "text")
 OPTIMIZERS = ("adadelta", "adam", "adamw", "sgd")
 SCHEDULERS = ("step", "cosine", "constant")
 PRECISIONS = ("fp32", "bf16", "fp16")
+AC_MODES = ("none", "full", "selective")
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
@@ -116,6 +117,15 @@ class TrainConfig:
         "FSDP2 on CPU/gloo: ring (all-gather and reduce-scatter as point-to-point rings) | "
         "builtin (gloo's own; its reduce-scatter all-reduces the whole input)",
         choices=("ring", "builtin"),
+    )
+    activation_checkpointing: str = _opt(
+        "none",
+        "recompute unit activations in backward: none | full (every unit) | selective (every "
+        "other unit: the 1st, 3rd, ...)",
+        choices=AC_MODES,
+    )
+    compile: bool = _opt(
+        False, "torch.compile each unit in place (inductor; on CPU it needs a C++ compiler)"
     )
     # tensor and pipeline parallelism
     tp: int = _opt(1, "tensor-parallel degree (adds a tp mesh dimension)")
