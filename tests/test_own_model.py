@@ -232,3 +232,62 @@ def test_a_run_builds_the_model_once(model_file, monkeypatch, tmp_path):
     finally:
         dist.destroy_process_group()
     assert summary["steps"] == 2 and len(calls) == 1
+
+
+DATA_FILE = textwrap.dedent(
+    """
+    import torch
+    from torch.utils.data import TensorDataset
+
+
+    def data():
+        g = torch.Generator().manual_seed(0)
+        x = torch.randint(0, 64, (96, 16), generator=g)
+        return TensorDataset(x, x.roll(-1, dims=1)), TensorDataset(x[:32], x[:32].roll(-1, dims=1))
+
+
+    def images():
+        x = torch.randn(40, 3, 8, 8)
+        y = torch.zeros(40, dtype=torch.long)
+        return TensorDataset(x, y), TensorDataset(x, y)
+
+
+    def doubled(output, target):
+        return 2 * torch.nn.functional.cross_entropy(
+            output.reshape(-1, output.shape[-1]), target.reshape(-1)
+        )
+    """
+)
+
+
+def test_own_dataset_loss_and_toml_model_args(model_file, tmp_path):
+    data = tmp_path / "mydata.py"
+    data.write_text(DATA_FILE)
+    config = tmp_path / "run.toml"
+    config.write_text(f'model = "{model_file}:build"\n[model_args]\nd = 32\nn_blocks = 2\n')
+    flags = ["--config", str(config), "--dataset", f"{data}:data", "--vocab-size", "64",
+             "--seq-len", "16", "--global-batch-size", "16", "--max-steps", "6", "--dropout", "0",
+             "--log-every-steps", "1", "--progress", "off", "--nproc-per-node", "2"]  # fmt: skip
+    runs = {}
+    for name, extra in {"ce": [], "doubled": ["--loss", f"{data}:doubled"]}.items():
+        metrics = tmp_path / f"{name}.jsonl"
+        proc = run_cli(["train", *flags, *extra, "--metrics-file", str(metrics)], cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "96 train / 32 test samples" in proc.stdout
+        runs[name] = read_metrics(metrics)
+    ce, doubled = _losses(runs["ce"]), _losses(runs["doubled"])
+    assert doubled[0] == pytest.approx(2 * ce[0], rel=1e-6)  # the same first batch and weights
+    (summary,) = [r for r in runs["ce"] if r["event"] == "summary"]
+    assert summary["params_total"] == 64 * 32 + 2 * (2 * 32 + 8 * 32 * 32 + 5 * 32)
+    # Batches the model cannot take: one line from rank 0, exit code 2.
+    proc = run_cli(["train", *flags, "--dataset", f"{data}:images"], cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.count("does not take the data's batches") == 1
+    assert proc.stderr.startswith("fsdp2lab: error: "), proc.stderr
+
+
+def test_model_args_parse_json_values():
+    from fsdp2lab.models.user import parse_model_args
+
+    assert parse_model_args("d=64, sizes=[1,2,3],name=x, tied=true") == {
+        "d": 64, "sizes": [1, 2, 3], "name": "x", "tied": True
+    }  # fmt: skip

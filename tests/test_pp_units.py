@@ -79,7 +79,7 @@ def test_split_balances_layer_units_and_keeps_names():
 
 def test_model_parallel_places_groups_on_devices():
     plan = resolve(TrainConfig(model="mlp2", strategy="model-parallel", dropout=0.0), 1)
-    assert plan.stages == (("net1",), ("net2",))
+    assert plan.stages == (("net1", "relu"), ("net2",))
     model = get_spec("mlp2").build(plan.cfg)
     x = torch.randn(3, 1, 28, 28)
     expected = model(x)

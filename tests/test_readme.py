@@ -34,6 +34,9 @@ ELSEWHERE = {
         "tests/test_slurm.py (local Slurm cluster)",
     "sbatch --nodes=4 --ntasks-per-node=8 --gpus-per-node=8 slurm/train-torchrun.sbatch --model gpt":
         "needs 4 nodes of 8 GPUs; tests/test_slurm.py runs this script on 2 CPU nodes",
+    "fsdp2lab train --model examples/hf_llama.py:build --dataset text --text-file README.md --seq-len 64 --ckpt-dir hf-ckpt":
+        "tests/test_hf.py (the hf stage of .ci/run, with the hf extra installed)",
+    "fsdp2lab ckpt export hf-ckpt hf-model": "tests/test_hf.py (the hf stage of .ci/run)",
     "scripts/multinode-torchrun.sh --nnodes 2 --head 10.0.0.1 -- --model gpt":
         "needs two machines; tests/test_multinode.py runs the script as two nodes on localhost",
 }  # fmt: skip
@@ -78,6 +81,7 @@ def workspace(tmp_path: Path) -> Path:
     """A user's folder: the README and configs, .venv (this environment), MNIST on disk."""
     shutil.copy(REPO / "README.md", tmp_path)
     shutil.copytree(REPO / "configs", tmp_path / "configs")
+    shutil.copytree(REPO / "examples", tmp_path / "examples")
     (tmp_path / ".venv").symlink_to(sys.prefix)
     if FASHION_DIR.is_dir():  # same IDX format: stands in for a downloaded MNIST
         shutil.copytree(FASHION_DIR, tmp_path / "data" / "MNIST" / "raw")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import sys
 import time
@@ -47,6 +48,9 @@ class TrainConfig:
     input_shape: str | None = _opt(
         None, "your classifier's input shape C,H,W (without it your model is a language model)"
     )
+    loss: str | None = _opt(
+        None, "your loss: pkg.module:fn or file.py:fn, fn(output, target) -> mean loss"
+    )
     num_classes: int = _opt(10, "your classifier's number of classes (synthetic data)")
     fsdp_unit_class: str | None = _opt(
         None, "your model: the class of its sharding units (default: the most repeated block)"
@@ -61,7 +65,9 @@ class TrainConfig:
     vocab_size: int = _opt(256, "gpt: vocabulary size (256 = bytes)")
     # data
     dataset: str = _opt(
-        "auto", "auto picks mnist, else fashion-mnist, else synthetic", choices=DATASETS
+        "auto",
+        "auto (mnist, else fashion-mnist, else synthetic) | mnist | fashion-mnist | cifar10 | "
+        "synthetic | text | your own: pkg.module:NAME or file.py:NAME returning (train, test)",
     )
     data_dir: str = _opt("./data", "where datasets are stored or downloaded")
     download: bool = _opt(True, "download a missing dataset (rank 0 only)")
@@ -278,6 +284,8 @@ def load_toml(path: str) -> dict[str, Any]:
         if name not in _FIELDS:
             known = ", ".join(sorted(_FIELDS))
             raise UsageError(f"config file {path}: unknown key {key!r} (known keys: {known})")
+        if name == "model_args" and isinstance(value, dict):  # a [model_args] table
+            value = ",".join(f"{k}={json.dumps(v)}" for k, v in value.items())
         kind = _field_type(_FIELDS[name])
         ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
@@ -363,6 +371,11 @@ def validate_basic(cfg: TrainConfig) -> None:
             raise UsageError(
                 f"--{name.replace('_', '-')} must be one of {', '.join(choices)}, not {getattr(cfg, name)!r}"
             )
+    if cfg.dataset not in DATASETS and ":" not in cfg.dataset:
+        raise UsageError(
+            f"--dataset must be one of {', '.join(DATASETS)} or MODULE:NAME / FILE.py:NAME, "
+            f"not {cfg.dataset!r}"
+        )
     _check_bounds(cfg)
     if cfg.dp_shard < 1 and cfg.dp_shard != -1:
         raise UsageError(f"--dp-shard must be >= 1 or -1 (the rest), got {cfg.dp_shard}")

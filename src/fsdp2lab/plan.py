@@ -9,6 +9,7 @@ the strategies and ``bench`` read it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,8 +21,9 @@ from fsdp2lab.errors import UsageError
 from fsdp2lab.models import get_spec
 from fsdp2lab.models.materialize import build_on_meta
 from fsdp2lab.models.spec import ModelSpec, logits_of
-from fsdp2lab.models.user import is_reference
+from fsdp2lab.models.user import is_reference, load_object
 from fsdp2lab.parallel import model_parallel, pp, tp
+from fsdp2lab.parallel.compile import check_compile_support
 from fsdp2lab.parallel.strategies import Strategy, get_strategy
 from fsdp2lab.runtime.mesh import ParallelDims
 
@@ -40,6 +42,7 @@ class RunPlan:
     stages: tuple[tuple[str, ...], ...] = ()
     n_microbatches: int = 1  # --pp: micro-batches per step
     params_total: int = 0
+    loss: Callable | None = None  # --loss, else the model's own; None: cross-entropy
     # The model built on the meta device; the trainer parallelises a copy of it.
     meta_model: nn.Module = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
 
@@ -58,6 +61,18 @@ def resolve(cfg: TrainConfig, world_size: int) -> RunPlan:
             message += " (it places layers on the devices of one process)"
         raise UsageError(message)
     strategy.check(cfg)
+    if (cfg.compile or cfg.activation_checkpointing != "none") and cfg.strategy in (
+        "fsdp1",
+        "model-parallel",
+    ):
+        raise UsageError(
+            f"--activation-checkpointing and --compile work with --strategy fsdp2, ddp and "
+            f"single, not {cfg.strategy}"
+        )
+    if cfg.compile:
+        reason = check_compile_support(_device_type(cfg.device))
+        if reason:
+            raise UsageError(reason)
     if cfg.memory_snapshot:
         from fsdp2lab.training.memory_snapshot import check_available
 
@@ -66,7 +81,7 @@ def resolve(cfg: TrainConfig, world_size: int) -> RunPlan:
     global_batch, micro_batch = batch_sizes(cfg, dims.dp)
 
     spec = get_spec(cfg.model, cfg)
-    if cfg.dataset != "auto" and cfg.dataset not in spec.datasets:
+    if cfg.dataset != "auto" and not is_reference(cfg.dataset) and cfg.dataset not in spec.datasets:
         raise UsageError(
             f"dataset {cfg.dataset!r} does not fit model {spec.name!r}; it takes: {', '.join(spec.datasets)}"
         )
@@ -75,8 +90,11 @@ def resolve(cfg: TrainConfig, world_size: int) -> RunPlan:
     )  # the model's own checks, at no memory cost
     units = tuple(spec.units(model))
     _check_names(model, units, "sharding unit")
-    if is_reference(cfg.model):
-        _check_takes_the_data(model, spec, cfg)
+    if is_reference(cfg.model) and not is_reference(cfg.dataset):  # yours: checked when loaded
+        classify = spec.task == "classify"
+        classes = spec.num_classes if classify else cfg.vocab_size
+        what = f"--num-classes {classes}" if classify else f"--vocab-size {classes}"
+        check_model_takes(model, spec.name, sample_input(spec, cfg), classes, what)
 
     if dims.tp > 1:
         tp.check(spec, model, dims.tp)
@@ -106,6 +124,7 @@ def resolve(cfg: TrainConfig, world_size: int) -> RunPlan:
         stages=stages,
         n_microbatches=n_microbatches,
         params_total=sum(p.numel() for p in model.parameters()),
+        loss=_loss(cfg, spec),
         meta_model=model,
     )
 
@@ -119,10 +138,11 @@ def sample_input(spec: ModelSpec, cfg: TrainConfig, batch: int = 2) -> torch.Ten
     return torch.zeros(batch, *shape, device="meta")
 
 
-def _check_takes_the_data(model: nn.Module, spec: ModelSpec, cfg: TrainConfig) -> None:
-    """Run your model on a meta batch of the data's shape: a mismatch is one message, not a
+def check_model_takes(
+    model: nn.Module, name: str, x: torch.Tensor, classes: int, what: str
+) -> None:
+    """Run your model on the meta batch ``x``: a mismatch with the data is one message, not a
     traceback per rank. Errors that only the meta device raises are left to the real run."""
-    x = sample_input(spec, cfg)
     shape = f"{tuple(x.shape)} ({str(x.dtype).removeprefix('torch.')})"
     try:
         with torch.no_grad():
@@ -132,16 +152,34 @@ def _check_takes_the_data(model: nn.Module, spec: ModelSpec, cfg: TrainConfig) -
             return
         first = str(e).splitlines()[0] if str(e) else ""
         raise UsageError(
-            f"model {spec.name} does not take the data's batches of shape {shape}: "
+            f"model {name} does not take the data's batches of shape {shape}: "
             f"{type(e).__name__}: {first}"
         ) from None
-    classes = spec.num_classes if spec.task == "classify" else cfg.vocab_size
     if out.shape[-1] < classes:
-        what = "--num-classes" if spec.task == "classify" else "--vocab-size"
         raise UsageError(
-            f"model {spec.name} outputs {out.shape[-1]} logits per sample, fewer than "
-            f"{what} {classes}"
+            f"model {name} outputs {out.shape[-1]} logits per sample, fewer than {what}"
         )
+
+
+def check_dataset(plan: RunPlan, train_set) -> None:
+    """Your dataset (``--dataset file.py:NAME``), once loaded: does the model take its batches?"""
+    if is_reference(plan.cfg.dataset):
+        x = train_set.__getitems__([0])[0].to("meta")
+        classes = int(train_set.targets.max()) + 1
+        check_model_takes(plan.meta_model, plan.spec.name, x, classes, f"the {classes} classes")
+
+
+def _loss(cfg: TrainConfig, spec: ModelSpec) -> Callable | None:
+    if not cfg.loss:
+        return spec.loss
+    loss = load_object(cfg.loss, "--loss")
+    if not callable(loss):
+        raise UsageError(f"--loss {cfg.loss}: {type(loss).__name__} is not a function")
+    return loss
+
+
+def _device_type(preference: str) -> str:
+    return "cuda" if preference != "cpu" and torch.cuda.is_available() else "cpu"
 
 
 def _check_names(model: nn.Module, names: tuple[str, ...], what: str) -> None:

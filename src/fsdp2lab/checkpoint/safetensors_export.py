@@ -11,7 +11,8 @@ Two layouts:
 - ``OUT.safetensors``: one file with every model tensor under its name in the model;
 - ``OUT/`` (a folder): what Hugging Face ``save_pretrained`` writes: ``model.safetensors``, or
   ``model-0000K-of-0000N.safetensors`` shards and ``model.safetensors.index.json`` above
-  ``max_shard_size``; with a Hugging Face config also ``config.json``, and tied weights stored
+  ``max_shard_size``; with a Hugging Face config (given, or the one a Hugging Face model's run
+  recorded in the checkpoint) also ``config.json``, and tied weights stored
   once (``from_pretrained`` ties them again). That needs ``transformers`` (the ``hf`` extra):
   it builds the model on the meta device to learn which weights are tied and checks the names.
 """
@@ -307,10 +308,8 @@ def export_safetensors(
     def load(entry: Entry) -> torch.Tensor:
         return load_tensor(reader, entry)
 
-    if hf_config is None:
-        hf_config = saved_run(ckpt).get("hf_config")
     if out.suffix == ".safetensors":
-        if hf_config is not None:
+        if hf_config is not None:  # given; the one the run recorded does not ask for a folder
             raise UsageError(
                 f"{out}: a Hugging Face export is a folder (config.json and safetensors); "
                 "give a folder name, not a .safetensors file"
@@ -320,8 +319,19 @@ def export_safetensors(
         return Exported(ckpt, [out], len(entries), total)
     if out.exists() and not out.is_dir():
         raise UsageError(f"{out} exists and is not a folder")
+    recorded = hf_config is None
+    if recorded:  # a Hugging Face model's run records its config (checkpoint/state.py)
+        hf_config = saved_run(ckpt).get("hf_config")
 
-    config, tied = (None, {}) if hf_config is None else _hf_model_info(hf_config, entries)
+    try:
+        config, tied = (None, {}) if hf_config is None else _hf_model_info(hf_config, entries)
+    except UsageError as e:
+        if not recorded:
+            raise
+        raise UsageError(
+            f"{e} (the config the checkpoint's run recorded; for the weights alone, export to "
+            "OUT.safetensors)"
+        ) from None
     kept = [e for e in entries if e.name not in tied]
     shards = plan_shards(kept, max_shard_size)
     out.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,8 @@ Top-level keys of the DCP state dict:
   on load, so any world size, mesh or strategy can read them);
 - ``scheduler``: the LR scheduler's state dict;
 - ``train_state``: epoch, step, samples seen, samples into the epoch (world-size independent);
-- ``run``: JSON of how the run was set up (model, strategy, world size, mesh, config);
+- ``run``: JSON of how the run was set up (model, strategy, world size, mesh, config, and a
+  Hugging Face model's config as ``hf_config``, which ``ckpt export`` writes as ``config.json``);
 - ``ranks.<R>``: rank R's own state: CPU (and CUDA) RNG states and its data loader's state dict.
   Every rank writes only its own entry.
 """
@@ -55,7 +56,7 @@ FULL_CONTENTS = [MODEL, OPTIM, SCHEDULER, TRAIN_STATE, RUN, RANKS]
 def run_info(trainer: Trainer) -> dict:
     """How the run is set up: recorded in the checkpoint and its COMPLETE mark."""
     cfg, mesh = trainer.cfg, trainer.mesh
-    return {
+    info = {
         "model": cfg.model,
         "strategy": cfg.strategy,
         "world_size": trainer.runtime.world_size,
@@ -68,6 +69,34 @@ def run_info(trainer: Trainer) -> dict:
         "device": trainer.device.type,
         "config": asdict(cfg),
     }
+    model = getattr(trainer.plan, "meta_model", None)  # unwrapped, the whole model (also --pp)
+    hf_config = hf_config_of(trainer.model if model is None else model, trainer.spec)
+    if hf_config is not None:
+        info["hf_config"] = hf_config
+    return info
+
+
+def hf_config_of(model: torch.nn.Module, spec: Any = None) -> dict | None:
+    """The model's Hugging Face config as a dict (``spec.extras["hf_config"]``, else the model's
+    ``config.to_dict()``), or None when it has none. Recorded in the run info, so that
+    ``ckpt export CKPT OUT_DIR`` writes ``config.json`` without ``--hf-config``."""
+    config = (getattr(spec, "extras", None) or {}).get("hf_config")
+    if config is None:
+        config = getattr(getattr(model, "module", model), "config", None)
+    if config is None or isinstance(config, Mapping):
+        settings = config
+    else:
+        to_dict = getattr(config, "to_dict", None)
+        try:
+            settings = to_dict() if callable(to_dict) else None
+        except Exception:  # the model's own code: a config that cannot say itself is left out
+            settings = None
+    if not isinstance(settings, Mapping) or not settings.get("model_type"):
+        return None  # not a Hugging Face config: export needs a model_type to build the model
+    try:
+        return json.loads(json.dumps(dict(settings)))
+    except (TypeError, ValueError):
+        return None
 
 
 def marker_info(trainer: Trainer) -> dict:

@@ -18,7 +18,8 @@ def register(subparsers) -> None:
         help="write a checkpoint's model as a torch.save state dict or as safetensors",
         description="OUT.pt: one torch.save state dict. --format safetensors: OUT.safetensors is "
         "one file; any other OUT is a folder in Hugging Face's save_pretrained layout "
-        "(model.safetensors or shards and their index; config.json with --hf-config). "
+        "(model.safetensors or shards and their index; config.json with --hf-config, or from a "
+        "Hugging Face model's run, which records its config: then a plain OUT is such a folder). "
         "Safetensors are written one tensor at a time: the model is never held whole.",
     )
     export.add_argument("ckpt", metavar="CKPT", help="DIR/step-N, or DIR for its newest")
@@ -62,7 +63,16 @@ def _export_format(args: argparse.Namespace) -> str:
         return args.format
     if args.hf_config or args.out.endswith(".safetensors") or os.path.isdir(args.out):
         return "safetensors"
+    if not args.out.endswith((".pt", ".pth")) and _recorded_hf_config(args.ckpt):
+        return "safetensors"  # a Hugging Face model's run: its save_pretrained folder
     return "torch"
+
+
+def _recorded_hf_config(ckpt: str) -> bool:
+    from fsdp2lab.checkpoint import layout
+    from fsdp2lab.checkpoint.state import saved_run
+
+    return bool(saved_run(layout.find_checkpoint(ckpt, [])).get("hf_config"))
 
 
 def _read_hf_config(path: str) -> dict:

@@ -10,11 +10,12 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from fsdp2lab.config import TrainConfig
-from fsdp2lab.data import sources, synthetic, text
+from fsdp2lab.data import sources, synthetic, text, user
 from fsdp2lab.data.arrays import ArrayDataset, collate_batch
 from fsdp2lab.data.sampler import DistributedBatchSampler
 from fsdp2lab.errors import UsageError
 from fsdp2lab.models.spec import ModelSpec
+from fsdp2lab.models.user import is_reference
 
 DOWNLOAD_TIMEOUT_S = 30
 # torchdata's StatefulDataLoader calls a torch API that torch has since deprecated; not ours to fix.
@@ -30,6 +31,8 @@ class DataChoice:
 
 def choose(cfg: TrainConfig, spec: ModelSpec) -> DataChoice:
     """Decide which dataset to use, downloading if needed. Run on one rank only."""
+    if is_reference(cfg.dataset):
+        return DataChoice(cfg.dataset, None, f"{cfg.dataset} (your dataset)")
     name = spec.default_dataset if cfg.dataset == "auto" else cfg.dataset
     if cfg.dataset == "auto" and spec.task == "lm":
         name = "text" if cfg.text_file else "synthetic"
@@ -76,6 +79,8 @@ def _ensure(name: str, cfg: TrainConfig):
 def load(
     choice: DataChoice, cfg: TrainConfig, spec: ModelSpec
 ) -> tuple[ArrayDataset, ArrayDataset]:
+    if is_reference(choice.name):
+        return user.load(choice.name)
     if choice.name == "synthetic":
         n_test = max(1, cfg.synthetic_size // 4)
         if spec.task == "lm":

@@ -67,11 +67,16 @@ def module_seed(seed: int, fqn: str) -> int:
 
 def _init_module(root: nn.Module, fqn: str, module: nn.Module) -> None:
     custom = getattr(root, "init_module", None)
-    hf_init = getattr(root, "_init_weights", None)  # a Hugging Face model's own initialiser
+    # A Hugging Face model's own initialiser. Called directly, not through HF's
+    # ``_initialize_weights``: that skips modules flagged ``_is_hf_initialized``, which
+    # ``post_init`` sets on every module at construction (here: on the meta device). The fresh
+    # tensors ``to_empty`` made carry no such flag, so its guarded ``init.*`` functions write them.
+    hf_init = getattr(root, "_init_weights", None)
     if custom is not None:
         custom(fqn, module)
     elif hf_init is not None:
-        hf_init(module)
+        with torch.no_grad():
+            hf_init(module)
     elif hasattr(module, "reset_parameters"):
         module.reset_parameters()
     else:
@@ -109,24 +114,65 @@ def init_weights(model: nn.Module, reference: nn.Module, seed: int) -> None:
         if not own or all(t is None for t in targets.values()):
             continue
         real = {n: t for n, t in ref_module.named_buffers(recurse=False) if not t.is_meta}
-        if len(real) < len(own):  # real buffers (build_on_meta(real_buffers=True)) are kept
-            ref_module.to_empty(device="cpu", recurse=False)
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(module_seed(seed, fqn))
-                _init_module(reference, fqn, ref_module)
-            ref_module._buffers.update(real)
-        for name, target in targets.items():
-            if target is None:
-                raise KeyError(f"{prefix + name} not found in the parallelised model")
-            _copy_into(target, getattr(ref_module, name))
-            done.add(id(target))
-        ref_module.to(device="meta")
-        ref_module._buffers.update(real)
+        # The reference's own tensors, put back afterwards: the same objects, so that a tied
+        # parameter stays tied there (a model built from the reference again is tied too).
+        params, buffers = dict(ref_module._parameters), dict(ref_module._buffers)
+        try:
+            if len(real) < len(own):  # real buffers (build_on_meta(real_buffers=True)) are kept
+                ref_module.to_empty(device="cpu", recurse=False)
+                blank = _poison(ref_module, real)
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(module_seed(seed, fqn))
+                    _init_module(reference, fqn, ref_module)
+                ref_module._buffers.update(real)
+                _check_initialised(reference, fqn, ref_module, blank)
+            for name, target in targets.items():
+                if target is None:
+                    raise KeyError(f"{prefix + name} not found in the parallelised model")
+                _copy_into(target, getattr(ref_module, name))
+                done.add(id(target))
+        finally:
+            ref_module._parameters.update(params)
+            ref_module._buffers.update(buffers)
     missed = [
         n for n, t in [*model.named_parameters(), *model.named_buffers()] if id(t) not in done
     ]
     if missed:
         raise KeyError(f"not initialised (no such module in the reference model): {missed}")
+
+
+def _poison(module: nn.Module, real: dict[str, torch.Tensor]) -> list[str]:
+    """Fill the module's fresh floating-point tensors with NaN (``to_empty`` memory may hold
+    anything, even an earlier module's weights): what its init leaves unset stays NaN."""
+    names = [
+        name
+        for name, t in [
+            *module.named_parameters(recurse=False),
+            *module.named_buffers(recurse=False),
+        ]
+        if name not in real and t.is_floating_point()
+    ]
+    with torch.no_grad():
+        for name in names:
+            getattr(module, name).fill_(float("nan"))
+    return names
+
+
+def _check_initialised(root: nn.Module, fqn: str, module: nn.Module, names: list[str]) -> None:
+    left = [n for n in names if torch.isnan(getattr(module, n)).any()]
+    if left:
+        how = (
+            "init_module"
+            if hasattr(root, "init_module")
+            else "_init_weights"
+            if hasattr(root, "_init_weights")
+            else "reset_parameters"
+        )
+        raise ValueError(
+            f"module {fqn or '<root>'} ({type(module).__name__}): its initialisation ({how}) "
+            f"left {', '.join(left)} unset (or NaN); give the model an init_module(fqn, module) "
+            "that sets every tensor of the module"
+        )
 
 
 def _lookup(model: nn.Module, name: str) -> torch.Tensor | None:

@@ -85,6 +85,6 @@ MLP2_SPEC = ModelSpec(
     # The Megatron MLP: hidden units split, then an all-reduce of the logits.
     tp_plan=lambda model: {"net1": ColwiseParallel(), "net2": RowwiseParallel()},
     tp_sizes=lambda model: {"mlp2 hidden width": model.net1.out_features},
-    pipeline=lambda model: ["net1", "net2"],
+    pipeline=lambda model: ["net1", "relu", "net2"],
     num_classes=10,
 )

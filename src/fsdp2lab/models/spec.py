@@ -26,8 +26,10 @@ import torch.nn as nn
 
 
 def infer_units(model: nn.Module, class_name: str | None = None) -> list[str]:
-    """The repeated blocks: the modules of the class that occurs most often as a child of a
-    ``ModuleList``/``Sequential``/``ModuleDict`` (or of ``class_name``), outermost first."""
+    """The repeated blocks: of the classes that occur more than once as children of a
+    ``ModuleList``/``Sequential``/``ModuleDict``, the one whose instances hold the most parameters
+    (a transformer block, not the linear layers inside it); or every module of ``class_name``.
+    Outermost first; none found: no units (the root is the only one)."""
     containers = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
     candidates: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
@@ -41,11 +43,12 @@ def infer_units(model: nn.Module, class_name: str | None = None) -> list[str]:
                 for child_name, child in module.named_children()
                 if any(True for _ in child.parameters())
             ]
-    if not candidates:
-        return []
     if class_name is None:
         counts = Counter(type(m) for _, m in candidates)
-        best = max(counts, key=lambda cls: (counts[cls], _params(candidates, cls)))
+        repeated = [cls for cls, n in counts.items() if n > 1]
+        if not repeated:
+            return []
+        best = max(repeated, key=lambda cls: (_params(candidates, cls), counts[cls]))
         candidates = [(n, m) for n, m in candidates if type(m) is best]
     outermost: list[str] = []
     for name, _ in candidates:  # named_modules is pre-order: a parent comes before its children
@@ -75,6 +78,7 @@ class ModelSpec:
     tp_sizes: Callable[[nn.Module], dict[str, int]] = no_sizes
     pipeline: Callable[[nn.Module], list[str]] | None = None
     num_classes: int | None = None  # classifiers: output width
+    loss: Callable[[Any, Any], Any] | None = None  # (output, target) -> mean; None: cross-entropy
     # Build with parameters on meta but buffers real (models whose buffers no init can rebuild).
     real_buffers: bool = False
     extras: dict[str, Any] = field(default_factory=dict)  # e.g. a Hugging Face config to export

@@ -14,6 +14,7 @@ import importlib
 import importlib.util
 import inspect
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -64,7 +65,8 @@ def load_object(reference: str, what: str):
 def parse_model_args(text: str) -> dict:
     """``'d=64,tied=true,name=x'`` -> ``{"d": 64, "tied": True, "name": "x"}`` (JSON values, else str)."""
     out: dict = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
+    # A comma starts a new pair only before ``name=`` (so JSON lists keep theirs).
+    for item in filter(None, (p.strip() for p in re.split(r",(?=\s*[A-Za-z_]\w*\s*=)", text))):
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise UsageError(f"--model-args: expected k=v pairs separated by commas, got {item!r}")

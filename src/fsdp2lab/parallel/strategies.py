@@ -7,6 +7,7 @@ entry here differs. ``parallelize(model, plan, mesh, device)`` is the one call t
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -16,7 +17,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp2lab.errors import UsageError
+from fsdp2lab.models.materialize import init_weights, to_empty
 from fsdp2lab.parallel import ddp, fsdp1, fsdp2, model_parallel, pp, tp
+from fsdp2lab.parallel.activation_checkpoint import apply_activation_checkpointing
+from fsdp2lab.parallel.compile import compile_units
 from fsdp2lab.parallel.grad_norm import clip_grad_norm_
 from fsdp2lab.runtime.mesh import dp_mesh
 
@@ -62,10 +66,11 @@ def _fsdp2(model: nn.Module, plan: RunPlan, mesh: DeviceMesh, device: torch.devi
         model = pp.stage_module(model, plan.stages, mesh["pp"])
     if plan.dims.tp > 1:
         model = tp.apply_tp(model, plan.spec, mesh["tp"])
+    _checkpoint_and_compile(model, plan, device)
     return fsdp2.apply_fsdp(
         model,
         dp_mesh(mesh),
-        held_units(model, plan.units),
+        [module for _, module in held_units(model, plan.units)],
         precision=cfg.mixed_precision,
         reshard_after_forward=cfg.reshard_value(),
         cpu_offload=cfg.cpu_offload,
@@ -77,12 +82,30 @@ def _fsdp2(model: nn.Module, plan: RunPlan, mesh: DeviceMesh, device: torch.devi
     )
 
 
-def held_units(model: nn.Module, units: tuple[str, ...]) -> list[nn.Module]:
-    """The units ``model`` holds (a pipeline stage holds some), as modules."""
+def _checkpoint_and_compile(model: nn.Module, plan: RunPlan, device: torch.device) -> None:
+    """Activation checkpointing, then ``torch.compile``, of each unit (after TP, before wrapping)."""
+    units = [name for name, _ in held_units(model, plan.units)]
+    apply_activation_checkpointing(model, units, plan.cfg.activation_checkpointing)
+    if plan.cfg.compile:
+        compile_units(model, units, device_type=device.type)
+
+
+def _units_first(wrap: Callable) -> Callable:
+    """A strategy that checkpoints and compiles the units, then calls ``wrap``."""
+
+    def parallelize(model: nn.Module, plan: RunPlan, mesh: DeviceMesh, device: torch.device):
+        _checkpoint_and_compile(model, plan, device)
+        return wrap(model, plan, mesh, device)
+
+    return parallelize
+
+
+def held_units(model: nn.Module, units: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+    """The units ``model`` holds (a pipeline stage holds some): (name, module)."""
     held = []
     for name in units:
         with contextlib.suppress(AttributeError):
-            held.append(model.get_submodule(name))
+            held.append((name, model.get_submodule(name)))
     return held
 
 
@@ -101,10 +124,12 @@ def _no_sync_needed(model: nn.Module, sync: bool) -> contextlib.AbstractContextM
 
 STRATEGIES: dict[str, Strategy] = {
     "fsdp2": Strategy("fsdp2", _fsdp2, _fsdp2_sync),
-    "single": Strategy("single", _single, _no_sync_needed, autocast=True, max_world_size=1),
+    "single": Strategy(
+        "single", _units_first(_single), _no_sync_needed, autocast=True, max_world_size=1
+    ),
     "ddp": Strategy(
         "ddp",
-        ddp.apply_ddp,
+        _units_first(ddp.apply_ddp),
         ddp.sync_context,
         check=ddp.check,
         autocast=True,
@@ -127,6 +152,22 @@ STRATEGIES: dict[str, Strategy] = {
         materialize_first=True,
     ),
 }
+
+
+def build_model(plan: RunPlan, mesh: DeviceMesh, device: torch.device) -> nn.Module:
+    """A copy of the plan's meta model, parallelised by its strategy, materialised on ``device``
+    (CPU with --cpu-offload) and initialised the same way for every layout."""
+    reference = plan.meta_model
+    model = copy.deepcopy(reference)
+    init_device = "cpu" if plan.cfg.cpu_offload else device
+    if plan.strategy.materialize_first:
+        to_empty(model, init_device)
+        init_weights(model, reference, plan.cfg.seed)
+        return plan.strategy.parallelize(model, plan, mesh, device)
+    model = plan.strategy.parallelize(model, plan, mesh, device)
+    to_empty(model, init_device)
+    init_weights(model, reference, plan.cfg.seed)
+    return model
 
 
 def get_strategy(name: str) -> Strategy:

@@ -8,7 +8,6 @@ TensorBoard, memory snapshot) attach through ``hooks``.
 from __future__ import annotations
 
 import contextlib
-import copy
 import time
 
 import torch
@@ -18,12 +17,12 @@ import torch.nn.functional as F
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.data import loader as data_loader
 from fsdp2lab.data.sampler import DistributedBatchSampler, eval_shards
-from fsdp2lab.models.materialize import init_weights, to_empty
 from fsdp2lab.models.spec import logits_of
 from fsdp2lab.parallel.fsdp2 import reshard_all
 from fsdp2lab.parallel.pp import Pipeline
 from fsdp2lab.parallel.precision import DTYPES
-from fsdp2lab.plan import RunPlan, resolve
+from fsdp2lab.parallel.strategies import build_model
+from fsdp2lab.plan import RunPlan, check_dataset, resolve
 from fsdp2lab.runtime import faults, logs
 from fsdp2lab.runtime.distributed import Runtime, on_rank0
 from fsdp2lab.runtime.mesh import build_mesh, dp_rank
@@ -35,12 +34,7 @@ log = logs.get_logger(__name__)
 
 
 class Trainer:
-    def __init__(
-        self,
-        plan: RunPlan | TrainConfig,
-        runtime: Runtime,
-        hooks: list[Hooks] | None = None,
-    ):
+    def __init__(self, plan: RunPlan | TrainConfig, runtime: Runtime, hooks: list[Hooks] = ()):
         if isinstance(plan, TrainConfig):
             plan = resolve(plan, runtime.world_size)
         self.plan = plan
@@ -48,7 +42,7 @@ class Trainer:
         self.runtime = runtime
         self.device = runtime.device
         self.memory = m.MemoryMeter(self.device)  # RSS growth counts from here
-        self.hooks = list(hooks or [])
+        self.hooks = list(hooks)
         self.spec = plan.spec
         self.strategy = plan.strategy
 
@@ -61,6 +55,7 @@ class Trainer:
         # Data: rank 0 resolves/downloads, everyone loads.
         self.data_choice = on_rank0(lambda: data_loader.choose(cfg, self.spec))
         self.train_set, self.test_set = data_loader.load(self.data_choice, cfg, self.spec)
+        check_dataset(plan, self.train_set)  # your dataset: does the model take its batches?
         self.sampler = DistributedBatchSampler(
             len(self.train_set),
             self.global_batch,
@@ -73,18 +68,7 @@ class Trainer:
         self.total_steps = self._total_steps()
 
         # Model: meta (the plan's, copied) -> parallelise -> to_empty -> deterministic init.
-        reference = plan.meta_model
-        model = copy.deepcopy(reference)
-        init_device = "cpu" if cfg.cpu_offload else self.device
-        parallelize = self.strategy.parallelize
-        if self.strategy.materialize_first:
-            to_empty(model, init_device)
-            init_weights(model, reference, cfg.seed)
-            self.model = parallelize(model, plan, self.mesh, self.device)
-        else:
-            self.model = parallelize(model, plan, self.mesh, self.device)
-            to_empty(self.model, init_device)
-            init_weights(self.model, reference, cfg.seed)
+        self.model = build_model(plan, self.mesh, self.device)
         # With --pp, self.model is this rank's stage, and the pipeline runs forward and backward.
         self.pipeline = (
             Pipeline(self.model, self.mesh, self.device, plan.n_microbatches, cfg.pp_schedule)
@@ -138,6 +122,9 @@ class Trainer:
     def _loss(
         self, output: torch.Tensor, target: torch.Tensor, reduction: str = "mean"
     ) -> torch.Tensor:
+        if self.plan.loss is not None:  # yours: a mean over the batch
+            mean = self.plan.loss(output, target)
+            return mean if reduction == "mean" else mean * target.numel()
         logits = logits_of(output)
         return F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), reduction=reduction
