@@ -120,7 +120,9 @@ def test_ac_recomputes_and_keeps_dropout_rng():
     assert len(calls) == 2 * len(batches)  # forward + recompute
     # A deep copy recomputes its own forward, not the original's.
     twin = copy.deepcopy(model)
-    assert is_checkpointed(twin.blocks["1"]) and twin.blocks["1"].forward.__self__ is twin.blocks["1"]
+    assert (
+        is_checkpointed(twin.blocks["1"]) and twin.blocks["1"].forward.__self__ is twin.blocks["1"]
+    )
 
 
 def test_compile_missing_compiler_is_usage_error(monkeypatch):
