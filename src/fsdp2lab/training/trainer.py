@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,7 @@ log = logs.get_logger(__name__)
 
 
 class Trainer:
-    def __init__(self, plan: RunPlan | TrainConfig, runtime: Runtime, hooks: list[Hooks] = ()):
+    def __init__(self, plan: RunPlan | TrainConfig, runtime: Runtime, hooks: Sequence[Hooks] = ()):
         if isinstance(plan, TrainConfig):
             plan = resolve(plan, runtime.world_size)
         self.plan = plan
