@@ -125,9 +125,10 @@ def test_bad_flags_give_one_clear_error(tmp_path, args, message):
     assert stderr.count("fsdp2lab: error:") == 1
 
 
-def test_unknown_dataset_is_rejected_by_the_parser(tmp_path):
+def test_unknown_dataset_is_one_clear_error(tmp_path):
     stderr = _usage_error(tmp_path, "--dataset", "imagenet")
-    assert "invalid choice: 'imagenet'" in stderr
+    assert "--dataset must be one of auto, mnist" in stderr and "not 'imagenet'" in stderr
+    assert stderr.count("fsdp2lab: error:") == 1
 
 
 def test_bad_toml_gives_one_clear_error(tmp_path):
