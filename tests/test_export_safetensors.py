@@ -154,6 +154,7 @@ def _tiny_llama(tie: bool):
     return transformers.LlamaForCausalLM(config).eval()
 
 
+@pytest.mark.hf
 @pytest.mark.parametrize(("tie", "shard"), [(True, None), (False, None), (False, "20000")])
 def test_hugging_face_layout_loads_with_from_pretrained(tmp_path: Path, monkeypatch, tie, shard):
     pytest.importorskip("safetensors")
@@ -193,6 +194,7 @@ def test_hugging_face_layout_loads_with_from_pretrained(tmp_path: Path, monkeypa
     assert torch.equal(want, got)
 
 
+@pytest.mark.hf
 def test_hugging_face_config_that_does_not_fit_is_refused(tmp_path: Path, capsys):
     model = _tiny_llama(tie=False)
     ckpt = _save(tmp_path / "step-3", {"w": torch.ones(2)})
