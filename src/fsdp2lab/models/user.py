@@ -10,12 +10,12 @@ otherwise it is a language model over ``--vocab-size`` tokens of ``--seq-len``.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import inspect
 import json
 import re
 import sys
+from importlib import import_module
 from pathlib import Path
 
 import torch.nn as nn
@@ -36,30 +36,36 @@ def load_object(reference: str, what: str):
     where, _, attr = reference.rpartition(":")
     if not where or not attr:
         raise UsageError(f"{what} {reference!r}: expected MODULE:NAME or FILE.py:NAME")
+    if where.endswith(".py") and not Path(where).is_file():
+        raise UsageError(f"{what} {reference!r}: no such file {where}")
     try:
-        if where.endswith(".py"):
-            path = Path(where).resolve()
-            if not path.is_file():
-                raise UsageError(f"{what} {reference!r}: no such file {where}")
-            module_name = f"fsdp2lab_user_{path.stem}_{abs(hash(str(path)))}"
-            module = sys.modules.get(module_name)
-            if module is None:
-                loader_spec = importlib.util.spec_from_file_location(module_name, path)
-                module = importlib.util.module_from_spec(loader_spec)
-                sys.modules[module_name] = module
-                loader_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-    except UsageError:
-        raise
+        module = _import_file(Path(where)) if where.endswith(".py") else import_module(where)
     except Exception as e:  # the user's code: any error it raises on import
-        sys.modules.pop(locals().get("module_name", ""), None)
         raise UsageError(
             f"{what} {reference!r}: cannot import {where}: {type(e).__name__}: {e}"
         ) from None
     if not hasattr(module, attr):
         raise UsageError(f"{what} {reference!r}: {where} has no {attr!r}")
     return getattr(module, attr)
+
+
+def _import_file(path: Path):
+    """Import a file once per process; its folder goes on ``sys.path`` (for its own imports)."""
+    path = path.resolve()
+    name = f"fsdp2lab_user_{path.stem}_{abs(hash(str(path)))}"
+    if name in sys.modules:
+        return sys.modules[name]
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    loader_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[name] = module
+    try:
+        loader_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 def parse_model_args(text: str) -> dict:
