@@ -141,7 +141,7 @@ def test_own_model_matches_one_process_at_every_step(runs, name):
     assert_close_lists(_losses(runs[name]), reference, 1e-5)
 
 
-def test_units_are_inferred_and_the_plan_is_resolved_once(model_file, monkeypatch):
+def test_units_are_inferred_and_tied_weights_stay_tied(model_file, monkeypatch):
     plan = resolve(TrainConfig(model=f"{model_file}:build", dataset="synthetic", vocab_size=64), 2)
     assert plan.units == ("blocks.0", "blocks.1", "blocks.2")
     head, emb = plan.meta_model.head, plan.meta_model.emb

@@ -69,20 +69,17 @@ def run_info(trainer: Trainer) -> dict:
         "device": trainer.device.type,
         "config": asdict(cfg),
     }
-    model = getattr(trainer.plan, "meta_model", None)  # unwrapped, the whole model (also --pp)
-    hf_config = hf_config_of(trainer.model if model is None else model, trainer.spec)
+    hf_config = hf_config_of(trainer.plan.meta_model)  # unwrapped, the whole model (also --pp)
     if hf_config is not None:
         info["hf_config"] = hf_config
     return info
 
 
-def hf_config_of(model: torch.nn.Module, spec: Any = None) -> dict | None:
-    """The model's Hugging Face config as a dict (``spec.extras["hf_config"]``, else the model's
-    ``config.to_dict()``), or None when it has none. Recorded in the run info, so that
-    ``ckpt export CKPT OUT_DIR`` writes ``config.json`` without ``--hf-config``."""
-    config = (getattr(spec, "extras", None) or {}).get("hf_config")
-    if config is None:
-        config = getattr(getattr(model, "module", model), "config", None)
+def hf_config_of(model: torch.nn.Module) -> dict | None:
+    """The model's Hugging Face config (``model.config.to_dict()``) as a dict, or None when it has
+    none. Recorded in the run info, so that ``ckpt export CKPT OUT_DIR`` writes ``config.json``
+    without ``--hf-config``."""
+    config = getattr(model, "config", None)
     if config is None or isinstance(config, Mapping):
         settings = config
     else:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -81,7 +81,6 @@ class ModelSpec:
     loss: Callable[[Any, Any], Any] | None = None  # (output, target) -> mean; None: cross-entropy
     # Build with parameters on meta but buffers real (models whose buffers no init can rebuild).
     real_buffers: bool = False
-    extras: dict[str, Any] = field(default_factory=dict)  # e.g. a Hugging Face config to export
 
 
 def logits_of(output: Any) -> torch.Tensor:
