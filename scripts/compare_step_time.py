@@ -34,6 +34,10 @@ VARIANTS = {
     "fsdp2-layer-p1": ["--strategy", "fsdp2", "--fsdp-units", "layer", "--prefetch", "1"],
     "fsdp2-auto-1m": ["--strategy", "fsdp2", "--fsdp-unit-min-params", "1000000"],
     "fsdp2-zero2": ["--strategy", "fsdp2", "--reshard-after-forward", "false"],
+    "fsdp2-layer-zero2": ["--fsdp-units", "layer", "--reshard-after-forward", "false"],
+    "fsdp2-layer-zero2-p1": [
+        *["--fsdp-units", "layer", "--reshard-after-forward", "false", "--prefetch", "1"]
+    ],
 }
 DEFAULT = [n for n in VARIANTS if n not in ("fsdp2-auto-1m", "fsdp2-zero2", "fsdp2-auto-builtin")]
 REFERENCES = ("ddp", "fsdp1", "fsdp1-root")

@@ -40,14 +40,15 @@ def test_tensorboard_scalars_equal_the_metrics_file_and_resume_continues(resumed
     records = first.metrics + second.metrics
     want: dict[str, dict[int, float]] = {}
     for r in records:
-        if r["event"] in ("step", "epoch"):
-            prefix = "train" if r["event"] == "step" else "epoch"
+        prefix = {"step": "train", "epoch": "epoch", "eval": "eval"}.get(r["event"])
+        if prefix:
             for tag, value in scalars(r, prefix).items():
                 assert r["step"] not in want.setdefault(tag, {}), (tag, r["step"])
                 want[tag][r["step"]] = value
     assert set(events.Tags()[SCALARS]) == set(want)
     for tag in ("train/loss", "train/grad_norm", "train/lr", "train/tokens_per_s",
-                "epoch/test_loss", "epoch/test_accuracy", "memory/param_bytes/rank1",
+                "epoch/test_loss", "epoch/test_accuracy", "eval/test_accuracy",
+                "eval/elapsed_s", "memory/param_bytes/rank1",
                 "memory/rss_growth_bytes/rank0"):  # fmt: skip
         assert tag in want, tag
     for tag, by_step in want.items():

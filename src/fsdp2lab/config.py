@@ -83,6 +83,14 @@ class TrainConfig:
     grad_accum_steps: int = _opt(1, "micro-batches per optimizer step; sync only on the last")
     epochs: int = _opt(2, "training epochs")
     max_steps: int | None = _opt(None, "stop after this many optimizer steps (overrides --epochs)")
+    eval_every_steps: int | None = _opt(
+        None, "also evaluate on the test set every N optimizer steps (always: after each epoch)"
+    )
+    target_accuracy: float | None = _opt(
+        None,
+        "stop at the first evaluation whose test accuracy is >= A (0.9 or 90 for 90%%); the "
+        "time it took is logged and in the metrics file",
+    )
     # optimisation
     optimizer: str = _opt("adadelta", "optimizer", choices=OPTIMIZERS)
     lr: float | None = _opt(
@@ -194,6 +202,14 @@ class TrainConfig:
         optional_value=True,
         metavar="DIR",
     )
+    profile: str | None = _opt(
+        None,
+        "write a torch.profiler trace of --profile-steps steps after 5 warm-up steps to DIR "
+        "(default: profile), and log where each step's time went",
+        optional_value=True,
+        metavar="DIR",
+    )
+    profile_steps: int = _opt(5, "steps the --profile trace records")
     memory_snapshot: str | None = _opt(
         None, "CUDA: record allocations and write torch's memory snapshot (a pickle) to FILE"
     )
@@ -216,6 +232,11 @@ class TrainConfig:
     def dropout_or(self, default: float) -> float:
         """A model's dropout probability: ``--dropout`` if given, else the model's own."""
         return default if self.dropout is None else self.dropout
+
+    def target_fraction(self) -> float | None:
+        """``--target-accuracy`` as a fraction (given as 0.9 or as 90 for 90%)."""
+        a = self.target_accuracy
+        return None if a is None else (a / 100 if a > 1 else a)
 
     def default_lr(self) -> float:
         return {"adadelta": 1.0, "adam": 1e-3, "adamw": 1e-3, "sgd": 0.01}[self.optimizer]
@@ -311,6 +332,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if cfg.save_model == _DEFAULT:
         stem = cfg.model.rpartition(":")[2]  # your model: its factory's name
         cfg.save_model = "mnist_cnn.pt" if cfg.model == "cnn" else f"{stem}.pt"
+    if cfg.profile == _DEFAULT:
+        cfg.profile = "profile"
     if cfg.tensorboard == _DEFAULT:
         cfg.tensorboard = default_tensorboard_dir(cfg)
     validate_basic(cfg)
@@ -335,7 +358,7 @@ _BOUNDS: dict[str, tuple[float | None, float | None, bool]] = {
             "global_batch_size", "batch_size", "test_batch_size", "grad_accum_steps", "epochs",
             "max_steps", "dp_replicate", "tp", "pp", "pp_microbatches", "fsdp1_min_params",
             "fsdp_unit_min_params", "ckpt_every_steps", "nproc_per_node", "num_classes",
-            "log_every_steps",
+            "log_every_steps", "eval_every_steps", "profile_steps",
         )
     },
     **{name: (0, None, True) for name in ("lr", "weight_decay", "warmup_steps", "num_workers", "seed", "prefetch", "keep_last")},
@@ -380,6 +403,9 @@ def validate_basic(cfg: TrainConfig) -> None:
     if cfg.dp_shard < 1 and cfg.dp_shard != -1:
         raise UsageError(f"--dp-shard must be >= 1 or -1 (the rest), got {cfg.dp_shard}")
     cfg.reshard_value()
+    a = cfg.target_accuracy
+    if a is not None and not (0 < a <= 100 and math.isfinite(a)):
+        raise UsageError(f"--target-accuracy must be in (0, 1] or (1, 100] (percent), got {a}")
     if cfg.dataset == "text" and not cfg.text_file:
         raise UsageError("--dataset text needs --text-file PATH")
     if not cfg.ckpt_dir:

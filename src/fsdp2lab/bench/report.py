@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fsdp2lab.bench.results import aggregate, load_rows, write_csv
+from fsdp2lab.bench.results import PROFILE_COLUMNS, aggregate, eval_curve, load_rows, write_csv
 
 MiB = 2**20
 # (measure, axis label, scale, log y axis)
@@ -139,10 +139,109 @@ def summary_markdown(agg: dict, rows: list[dict]) -> str:
                     f"{v.get('final_test_accuracy', float('nan')):.4f} |"
                 )
         parts.append("")
+    parts += _extra_tables(agg)
     failed = [r for r in rows if r["status"] != "ok"]
     if failed:
         parts.append("Failed runs: " + ", ".join(f"{r['run']} ({r['error']})" for r in failed))
     return "\n".join(parts) + "\n"
+
+
+def _md_table(title: str, columns: list[str], rows: list[list[str]]) -> list[str]:
+    if not rows:
+        return []
+    return [
+        f"### {title}\n",
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
+        *("| " + " | ".join(map(str, row)) + " |" for row in rows),
+        "",
+    ]
+
+
+def _extra_tables(agg: dict) -> list[str]:
+    """Throughput against compute only, time to the target accuracy, and where a step goes,
+    where runs have them."""
+    ceiling = {  # (model, precision, ws, global batch) -> the side-by-side line's throughput
+        (m, p, ws, v["global_batch_size"]): v["samples_per_s"]
+        for (m, p, _, ws), v in agg.items()
+        if v.get("copies", 1) > 1 and "samples_per_s" in v
+    }
+    share = []
+    for (model, precision, line, ws), v in sorted(agg.items()):
+        ref = ceiling.get((model, precision, ws, v["global_batch_size"]))
+        if ref and "samples_per_s" in v:
+            share.append(
+                [model, line, ws, v["global_batch_size"], _fmt_range(v, "samples_per_s", 1, 0)]
+                + [f"{100 * v['samples_per_s'] / ref:.0f}%"]
+            )
+    reached = [
+        [model, line, ws, v["n"], _fmt_range(v, "time_to_target_s")]
+        + [_fmt_range(v, "steps_to_target", 1, 0), f"{v['final_test_accuracy']:.4f}"]
+        for (model, _, line, ws), v in sorted(agg.items())
+        if "time_to_target_s" in v
+    ]
+    profiled = [
+        [model, line, ws, *(_fmt_range(v, c) for c in PROFILE_COLUMNS)]
+        for (model, _, line, ws), v in sorted(agg.items())
+        if "profile_step_ms" in v
+    ]
+    names = ["model", "strategy", "ranks"]
+    parts = _md_table(
+        "Throughput against compute only (side-by-side one-rank runs, same batch)",
+        [*names, "global batch", "samples/s", "of compute-only"],
+        share,
+    )
+    parts += _md_table(
+        "Time to the target accuracy",
+        [*names, "runs", "time to target s", "steps", "final accuracy"],
+        reached,
+    )
+    parts += _md_table(
+        "Where a step goes (`--profile`: rank 0's profiled step of median length, ms)",
+        [*names, *(c.removeprefix("profile_").removesuffix("_ms") for c in PROFILE_COLUMNS)],
+        profiled,
+    )
+    return parts
+
+
+def plot_accuracy_vs_time(results: Path, rows: list[dict], out: Path) -> list[Path]:
+    """Per model: test accuracy against training wall time, one line per run that evaluated
+    more than once (``--eval-every-steps``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for model in sorted({r["model"] for r in rows if r["status"] == "ok"}):
+        curves = [
+            (r, eval_curve(results / r["run"]))
+            for r in rows
+            if r["model"] == model and r["status"] == "ok"
+        ]
+        curves = [(r, c) for r, c in curves if len(c) > 1]
+        if not curves:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for r, curve in curves:
+            label = f"{r['strategy']} ws{r['world_size']}" + (
+                f" r{r['repeat']}" if r["repeat"] > 1 else ""
+            )
+            ax.plot([t for t, _ in curve], [a for _, a in curve], marker=".", label=label)
+            if r["target_accuracy"]:
+                ax.axhline(r["target_accuracy"], color="grey", linestyle=":", linewidth=1)
+        ax.set_xlabel("training time (s)")
+        ax.set_ylabel("test accuracy")
+        ax.set_title(f"{model}: accuracy against wall time")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        path = out / f"{model}-accuracy-vs-time.png"
+        out.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
 
 
 def write_report(results: Path, peak_flops: float | None = None) -> dict[str, object]:
@@ -153,7 +252,7 @@ def write_report(results: Path, peak_flops: float | None = None) -> dict[str, ob
     (results / "summary.md").write_text(
         summary_markdown(agg, rows) if agg else "No run succeeded.\n"
     )
-    pngs = plot(agg, results / "plots")
+    pngs = plot(agg, results / "plots") + plot_accuracy_vs_time(results, rows, results / "plots")
     return {
         "rows": rows,
         "csv": results / "results.csv",

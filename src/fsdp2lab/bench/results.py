@@ -15,6 +15,7 @@ from pathlib import Path
 
 from fsdp2lab.config import TrainConfig, load_toml
 from fsdp2lab.errors import UsageError
+from fsdp2lab.training.profiler import breakdown, summarize, trace_path
 
 COLUMNS = [
     "run",
@@ -22,6 +23,7 @@ COLUMNS = [
     "strategy",
     "label",
     "world_size",
+    "copies",
     "mesh",
     "model",
     "precision",
@@ -41,11 +43,21 @@ COLUMNS = [
     "sharded_state_bytes_per_rank",
     "final_test_loss",
     "final_test_accuracy",
+    "target_accuracy",
+    "time_to_target_s",
+    "steps_to_target",
+    "profile_step_ms",
+    "profile_compute_ms",
+    "profile_exposed_comm_ms",
+    "profile_data_ms",
+    "profile_optimizer_ms",
+    "profile_host_ms",
     "train_time_s",
     "wall_s",
     "device",
     "error",
 ]
+PROFILE_COLUMNS = [c for c in COLUMNS if c.startswith("profile_")]
 # Dense peak FLOP/s by GPU name and compute dtype (for model FLOPs utilisation).
 PEAK_FLOPS = {
     "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
@@ -92,6 +104,7 @@ def _row(folder: Path, peak_override: float | None) -> dict:
         status="ok" if status["ok"] else "failed",
         strategy=status["strategy"],
         world_size=status["world_size"],
+        copies=status.get("copies", 1),
         model=status["model"],
         precision=status["precision"],
         reshard=status["reshard"],
@@ -99,22 +112,28 @@ def _row(folder: Path, peak_override: float | None) -> dict:
         wall_s=status["wall_s"],
         error=status["error"],
     )
-    records = read_metrics(folder / "metrics.jsonl")
-    summaries = [r for r in records if r["event"] == "summary"]
-    if not status["ok"] or not summaries:
+    copies = [read_metrics(folder / "metrics.jsonl")]
+    copies += [read_metrics(p) for p in sorted(folder.glob("metrics-*.jsonl"))]
+    summaries = [[r for r in c if r["event"] == "summary"] for c in copies]
+    if not status["ok"] or not all(summaries):
         return row
-    s = summaries[-1]
+    s = summaries[0][-1]
     cfg = TrainConfig(**load_toml(str(folder / "config.toml")))
-    step = step_time(records) or (s["train_time_s"] / s["steps"] if s["steps"] else math.nan)
-    samples_per_s = s["global_batch_size"] / step if step else math.nan
-    peak, state = s["peak_memory_bytes"], s["sharded_state_bytes"]
+    steps = [step_time(c) or (c[-1]["train_time_s"] / max(c[-1]["steps"], 1)) for c in copies]
+    # Side by side: the copies' throughputs add up; each copy's batch is its share.
+    samples_per_s = sum(s["global_batch_size"] / t for t in steps if t) or math.nan
+    step = statistics.median(steps)
+    peak = [p for c in summaries for p in c[-1]["peak_memory_bytes"]]
+    state = [b for c in summaries for b in c[-1]["sharded_state_bytes"]]
+    records = copies[0]
+    row.update(**_target_and_profile(records, folder))
     row.update(
         label=s.get("label", s["strategy"]),
         mesh=" x ".join(
             f"{n}={k}" for n, k in zip(s["mesh"]["names"], s["mesh"]["shape"], strict=True)
         ),
         params_total=s["params_total"],
-        global_batch_size=s["global_batch_size"],
+        global_batch_size=s["global_batch_size"] * len(copies),
         steps=s["steps"],
         time_per_epoch_s=s["time_per_epoch_s"],
         step_time_s=step,
@@ -137,6 +156,36 @@ def _row(folder: Path, peak_override: float | None) -> dict:
             flops = row["tokens_per_s"] * model_flops_per_token(cfg, s["params_total"])
             row["mfu"] = flops / (peak_flops_s * s["world_size"])
     return row
+
+
+def _target_and_profile(records: list[dict], folder: Path) -> dict:
+    """Time to the target accuracy (``--target-accuracy``) and the profile's step breakdown (from
+    rank 0's trace where it is there, so that a report applies the current analysis)."""
+    out: dict = {}
+    reached = [r for r in records if r["event"] == "target_reached"]
+    if reached:
+        r = reached[-1]
+        out.update(
+            target_accuracy=r["target_accuracy"],
+            time_to_target_s=r["elapsed_s"],
+            steps_to_target=r["step"],
+        )
+    trace = trace_path(folder / "profile", 0)
+    profiles = [r for r in records if r["event"] == "profile"]
+    if trace.is_file():
+        out.update({f"profile_{k}": v for k, v in summarize(breakdown(trace)).items()})
+    elif profiles:
+        out.update({f"profile_{k}": v for k, v in profiles[-1].items() if k.endswith("_ms")})
+    return out
+
+
+def eval_curve(folder: Path) -> list[tuple[float, float]]:
+    """(training seconds, test accuracy) at each evaluation of a run."""
+    return [
+        (r["elapsed_s"], r["test_accuracy"])
+        for r in read_metrics(folder / "metrics.jsonl")
+        if r["event"] == "eval"
+    ]
 
 
 def load_rows(results: Path, peak_flops_override: float | None = None) -> list[dict]:
@@ -192,11 +241,15 @@ def aggregate(rows: list[dict]) -> dict[tuple, dict]:
         "sharded_state_bytes_max",
         "final_test_loss",
         "final_test_accuracy",
+        "time_to_target_s",
+        "steps_to_target",
+        *PROFILE_COLUMNS,
     ]
     out = {}
     for key, group in groups.items():
         first = group[0]
-        agg = {"n": len(group), **{k: first[k] for k in ("mesh", "params_total", "label")}}
+        keys = ("mesh", "params_total", "label", "copies", "global_batch_size")
+        agg = {"n": len(group), **{k: first[k] for k in keys}}
         for m in measures:
             values = [g[m] for g in group if g[m] is not None and not _isnan(g[m])]
             if values:

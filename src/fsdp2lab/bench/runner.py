@@ -2,7 +2,9 @@
 
 ``RESULTS/<run>/`` holds ``config.toml`` (the run's train keys), ``command.txt``, ``stdout.log``,
 ``stderr.log``, ``metrics.jsonl`` and ``status.json`` (ok or failed, exit code, wall time). A run
-that fails or times out is recorded as failed and the sweep goes on.
+that fails or times out is recorded as failed and the sweep goes on. A side-by-side run starts its
+one-rank copies at once; copy ``i`` > 0 writes ``stdout-i.log``, ``stderr-i.log``,
+``metrics-i.jsonl``.
 """
 
 from __future__ import annotations
@@ -37,7 +39,19 @@ def pick_launcher(choice: str) -> str:
     return choice
 
 
-def command(run: RunSpec, folder: Path, launcher: str, srun_args: str = "") -> list[str]:
+def copy_suffix(copy: int) -> str:
+    return f"-{copy}" if copy else ""
+
+
+def command(
+    run: RunSpec,
+    folder: Path,
+    launcher: str,
+    srun_args: str = "",
+    copy: int = 0,
+    profile: bool = False,
+) -> list[str]:
+    ranks = run.world_size // run.copies
     train = [
         sys.executable,
         "-m",
@@ -46,12 +60,13 @@ def command(run: RunSpec, folder: Path, launcher: str, srun_args: str = "") -> l
         "--config",
         str(folder / "config.toml"),
         "--metrics-file",
-        str(folder / "metrics.jsonl"),
+        str(folder / f"metrics{copy_suffix(copy)}.jsonl"),
+        *(["--profile", str(folder / f"profile{copy_suffix(copy)}")] if profile else []),
     ]
     if launcher == "srun":
-        srun = ["srun", f"--ntasks={run.world_size}", "--kill-on-bad-exit=1"]
+        srun = ["srun", f"--ntasks={ranks}", "--kill-on-bad-exit=1"]
         return [*srun, *shlex.split(srun_args), *train]
-    return [*train, "--nproc-per-node", str(run.world_size)]
+    return [*train, "--nproc-per-node", str(ranks)]
 
 
 def _env(launcher: str, threads_per_rank: int | None) -> dict[str, str]:
@@ -72,22 +87,38 @@ def _interrupt(signum, _frame):
     raise Interrupted(signal.Signals(signum).name)
 
 
-def _run_job(cmd: list[str], folder: Path, env: dict, timeout_s: float | None) -> int | str:
-    """Exit code of the job, or ``"timeout"``; the job's whole process group is ended.
+def _run_job(
+    cmds: list[list[str]], folder: Path, envs: list[dict], timeout_s: float | None
+) -> int | str:
+    """The first non-zero exit code of the job's commands (run at once), or ``"timeout"``; each
+    command's whole process group is ended.
 
-    The job runs in a session of its own, so that its workers can be ended together; a signal
-    that stops the sweep ends the job too.
+    Each command runs in a session of its own, so that its workers can be ended together; a
+    signal that stops the sweep ends the job too.
     """
-    with open(folder / "stdout.log", "w") as out, open(folder / "stderr.log", "w") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, start_new_session=True)
-        try:
-            return proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
+    procs = []
+    try:
+        for i, (cmd, env) in enumerate(zip(cmds, envs, strict=True)):
+            out = open(folder / f"stdout{copy_suffix(i)}.log", "w")  # noqa: SIM115
+            err = open(folder / f"stderr{copy_suffix(i)}.log", "w")  # noqa: SIM115
+            with out, err:
+                procs.append(
+                    subprocess.Popen(cmd, stdout=out, stderr=err, env=env, start_new_session=True)
+                )
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        codes = []
+        for proc in procs:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            codes.append(proc.wait(timeout=left))
+        return next((c for c in codes if c), 0)
+    except subprocess.TimeoutExpired:
+        for proc in procs:
             _end_group(proc)
-            return "timeout"
-        except BaseException:
+        return "timeout"
+    except BaseException:
+        for proc in procs:
             _end_group(proc)
-            raise
+        raise
 
 
 def _end_group(proc: subprocess.Popen) -> None:
@@ -125,29 +156,32 @@ def run_sweep(
     srun_args: str = "",
     resume: bool = False,
     threads_per_rank: int | None = None,
+    profile: bool = False,
 ) -> list[dict]:
     """Run every planned run in turn; print one line each; return their statuses."""
     previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _run_all(runs, out, launcher, timeout_s, srun_args, resume, threads_per_rank)
+        job = (out, launcher, timeout_s, srun_args, resume, threads_per_rank, profile)
+        return _run_all(runs, job)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
 
 
-def _run_all(runs, out, launcher, timeout_s, srun_args, resume, threads_per_rank) -> list[dict]:
+def _run_all(runs, job) -> list[dict]:
     """One line per run on stdout; on a terminal, a bar across the runs (done, ETA) on stderr."""
     from tqdm import tqdm
 
     bar = tqdm(total=len(runs), unit="run", file=sys.stderr, disable=not sys.stderr.isatty())
-    job = (out, launcher, timeout_s, srun_args, resume, threads_per_rank)
     try:
         return [_one_run(i, run, len(runs), bar, *job) for i, run in enumerate(runs, 1)]
     finally:
         bar.close()
 
 
-def _one_run(i, run, n, bar, out, launcher, timeout_s, srun_args, resume, threads_per_rank) -> dict:
+def _one_run(
+    i, run, n, bar, out, launcher, timeout_s, srun_args, resume, threads_per_rank, profile
+) -> dict:
     from fsdp2lab.bench.results import read_metrics, step_time
 
     def say(line: str) -> None:
@@ -166,11 +200,12 @@ def _one_run(i, run, n, bar, out, launcher, timeout_s, srun_args, resume, thread
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
     (folder / "config.toml").write_text(to_toml(run.values), encoding="utf-8")
-    cmd = command(run, folder, launcher, srun_args)
-    (folder / "command.txt").write_text(shlex.join(cmd) + "\n")
+    cmds = [command(run, folder, launcher, srun_args, copy, profile) for copy in range(run.copies)]
+    (folder / "command.txt").write_text("".join(shlex.join(c) + "\n" for c in cmds))
     t0 = time.monotonic()
     try:
-        code = _run_job(cmd, folder, _env(launcher, threads_per_rank), timeout_s)
+        envs = [_env(launcher, threads_per_rank) for _ in cmds]  # srun: a port each
+        code = _run_job(cmds, folder, envs, timeout_s)
     except Interrupted as stop:
         say(f"{prefix} ... stopped by {stop}")
         raise

@@ -18,11 +18,25 @@ variants (named sets of train keys, e.g. FSDP2 with another unit policy)::
     [models.gpt]                   # keys for one model only
     d_model = 256
 
+    [models.cnn-fmnist]            # a model of its own: another model's keys, its own axes
+    model = "cnn"
+    dataset = "fashion-mnist"
+    strategies = ["compute-only", "fsdp2"]   # narrows the sweep's axes for this model
+    world_sizes = [2]
+    repeat = 1                     # fewer repeats for this model
+
     [variants.fsdp2-auto]          # a strategy of its own in plots and tables
     strategy = "fsdp2"
     fsdp_units = "auto"
 
-Built-in strategies: single, ddp, fsdp1, fsdp2, and hsdp (fsdp2 with ``dp_replicate = 2``).
+    [variants.compute-only-b128]   # side_by_side: world-size copies of a one-rank run at once
+    strategy = "single"
+    global_batch_size = 128
+    side_by_side = true
+
+Built-in strategies: single, ddp, fsdp1, fsdp2, hsdp (fsdp2 with ``dp_replicate = 2``) and
+compute-only (``single`` side by side: on N ranks, N independent one-rank runs of 1/N of the
+global batch each at the same time, no communication: the ceiling data parallelism aims at).
 Combinations that cannot run (single on 2 ranks, hsdp on 1) are left out and listed.
 """
 
@@ -44,7 +58,11 @@ BUILTIN_VARIANTS: dict[str, dict[str, Any]] = {
     "fsdp1": {"strategy": "fsdp1"},
     "fsdp2": {"strategy": "fsdp2"},
     "hsdp": {"strategy": "fsdp2", "dp_replicate": 2},
+    "compute-only": {"strategy": "single", "side_by_side": True},
 }
+# Keys of a [models.X] / [variants.X] table that are not train keys.
+_MODEL_KEYS = ("model", "strategies", "world_sizes", "repeat")
+_VARIANT_KEYS = ("side_by_side",)
 # Keys the sweep sets itself for every run, and keys whose files every run would share.
 _SWEEP_OWNED = ("model", "mixed_precision", "reshard_after_forward", "nproc_per_node")
 _SHARED_FILES = ("metrics_file", "ckpt_dir", "save_model", "tensorboard", "memory_snapshot")
@@ -68,6 +86,8 @@ class Sweep:
     repeat: int = 1
     train: dict[str, Any] = field(default_factory=dict)
     model_keys: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # [models.X]'s own: the model it is (``model``), and its narrowed axes.
+    model_axes: dict[str, dict[str, Any]] = field(default_factory=dict)
     variants: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
@@ -78,11 +98,12 @@ class RunSpec:
     run_id: str
     strategy: str  # the variant name: a line in the plots
     world_size: int
-    model: str
+    model: str  # the sweep's model name (a [models.X] name can stand for another model)
     precision: str
     reshard: str
     repeat: int
     values: dict[str, Any]
+    copies: int = 1  # side by side: this many one-rank runs at once, ``values`` each
 
 
 def _where(path: str | None, section: str) -> str:
@@ -161,11 +182,32 @@ def load_sweep(path: str | None) -> Sweep:
                 raise UsageError(f"sweep file {path}: [{section}.{name}] must be a table")
             where = _where(path, f"{section}.{name}")
             if section == "variants":
-                values = {"strategy": "fsdp2", **values}
-            getattr(sweep, "model_keys" if section == "models" else "variants")[name] = (
-                check_train_keys(values, where)
-            )
+                own = {k: values.pop(k) for k in _VARIANT_KEYS if k in values}
+                if not isinstance(own.get("side_by_side", False), bool):
+                    raise UsageError(f"{where} side_by_side must be true or false")
+                sweep.variants[name] = {
+                    "strategy": "fsdp2",
+                    **check_train_keys(values, where),
+                    **own,
+                }
+            else:
+                sweep.model_axes[name] = _model_axes(values, where)
+                sweep.model_keys[name] = check_train_keys(values, where)
     return sweep
+
+
+def _model_axes(values: dict[str, Any], where: str) -> dict[str, Any]:
+    """Pop a [models.X] table's own keys: ``model`` (a string) and its narrowed axes."""
+    axes = {k: values.pop(k) for k in _MODEL_KEYS if k in values}
+    if not isinstance(axes.get("model", ""), str):
+        raise UsageError(f"{where} model must be a model name, got {axes['model']!r}")
+    for key in ("strategies", "world_sizes"):
+        if key in axes:
+            axes[key] = _check_list(axes[key], _AXES[key], where, key)
+    repeat = axes.get("repeat", 1)
+    if not isinstance(repeat, int) or isinstance(repeat, bool) or repeat < 1:
+        raise UsageError(f"{where} repeat must be an integer >= 1, got {repeat!r}")
+    return axes
 
 
 def override(sweep: Sweep, **axes: Any) -> Sweep:
@@ -184,9 +226,21 @@ def validate(sweep: Sweep) -> None:
                 f"bench: unknown strategy {name!r}; choose built-in ones "
                 f"({', '.join(BUILTIN_VARIANTS)}) or define [variants.{name}] in the sweep file"
             )
-    for model in [*sweep.models, *sweep.model_keys]:
-        if model not in MODELS:
-            raise UsageError(f"bench: unknown model {model!r}; choose from {', '.join(MODELS)}")
+    for name in sweep.models:
+        if name not in MODELS and name not in sweep.model_axes:
+            raise UsageError(
+                f"bench: unknown model {name!r}; choose from {', '.join(MODELS)} or define "
+                f'[models.{name}] with model = "..." in the sweep file'
+            )
+    for name, axes in sweep.model_axes.items():
+        base = axes.get("model", name)
+        if base not in MODELS:
+            raise UsageError(
+                f"bench: [models.{name}] is no model: set model = one of {', '.join(MODELS)}"
+            )
+        for strategy in axes.get("strategies", []):
+            if strategy not in variants:
+                raise UsageError(f"bench: [models.{name}] strategies: unknown {strategy!r}")
     for p in sweep.precisions:
         if p not in PRECISIONS:
             raise UsageError(f"bench: unknown precision {p!r}; choose from {', '.join(PRECISIONS)}")
@@ -201,39 +255,62 @@ def plan(sweep: Sweep) -> tuple[list[RunSpec], list[str]]:
     """Every runnable combination (in a stable order), and why the others were left out."""
     validate(sweep)
     variants = {**BUILTIN_VARIANTS, **sweep.variants}
-    combos: list[tuple[str, dict[str, Any], tuple]] = []
+    combos: list[tuple[str, dict[str, Any], int, tuple]] = []
+    repeats: dict[str, int] = {}
     skipped: list[str] = []
     for model in sweep.models:
+        axes = sweep.model_axes.get(model, {})
         for precision in sweep.precisions:
             for reshard in sweep.reshard:
-                for name in sweep.strategies:
-                    for ws in sweep.world_sizes:
+                for name in axes.get("strategies", sweep.strategies):
+                    for ws in axes.get("world_sizes", sweep.world_sizes):
                         values = {
                             **_RUN_DEFAULTS,
                             **sweep.train,
                             **sweep.model_keys.get(model, {}),
                             **variants[name],
-                            "model": model,
+                            "model": axes.get("model", model),
                             "mixed_precision": precision,
                             "reshard_after_forward": reshard,
                         }
                         base = f"{model}-{name}-ws{ws}-{precision}" + (
                             f"-reshard{reshard}" if len(sweep.reshard) > 1 else ""
                         )
-                        reason = _why_not(values, ws)
+                        values, copies, reason = _side_by_side(values, ws)
+                        reason = reason or _why_not(values, ws // copies)
                         if reason:
                             skipped.append(f"{base}: {reason}")
                         else:
-                            combos.append((base, values, (name, ws, model, precision, reshard)))
+                            combos.append(
+                                (base, values, copies, (name, ws, model, precision, reshard))
+                            )
+                            repeats[base] = min(sweep.repeat, axes.get("repeat", sweep.repeat))
     # Repeats outermost: load that comes and goes on a shared machine falls on every combination.
     runs = [
-        RunSpec(base + (f"-r{rep}" if sweep.repeat > 1 else ""), *axes, rep, values)
+        RunSpec(base + (f"-r{rep}" if sweep.repeat > 1 else ""), *axes, rep, values, copies)
         for rep in range(1, sweep.repeat + 1)
-        for base, values, axes in combos
+        for base, values, copies, axes in combos
+        if rep <= repeats[base]
     ]
     if not runs:
         raise UsageError("bench: no combination of the sweep can run:\n  " + "\n  ".join(skipped))
     return runs, skipped
+
+
+def _side_by_side(values: dict[str, Any], world_size: int) -> tuple[dict, int, str | None]:
+    """A side-by-side variant on N ranks: N one-rank runs of 1/N of the global batch each."""
+    if not values.pop("side_by_side", False):
+        return values, 1, None
+    from fsdp2lab.plan import resolve
+
+    as_dp = TrainConfig(**{**values, "strategy": "ddp", "nproc_per_node": None})
+    try:
+        validate_basic(as_dp)
+        per_rank = resolve(as_dp, world_size).global_batch // world_size
+    except UsageError as e:
+        return values, 1, str(e)
+    values = {k: v for k, v in values.items() if k != "batch_size"}
+    return {**values, "global_batch_size": per_rank}, world_size, None
 
 
 def _why_not(values: dict[str, Any], world_size: int) -> str | None:

@@ -130,11 +130,9 @@ class CheckpointManager(Hooks):
         self._poll()
         st, cfg = trainer.state, self.cfg
         self.scheduler_after_step = (st.step, copy.deepcopy(trainer.scheduler.state_dict()))
-        epoch_ends = st.epoch_samples + trainer.global_batch > len(trainer.train_set)
-        training_ends = cfg.max_steps is not None and st.step >= cfg.max_steps
         # At an epoch's or the run's end, after_epoch saves the state a moment later.
         due = bool(cfg.ckpt_every_steps) and st.step % cfg.ckpt_every_steps == 0
-        if due and not (epoch_ends or training_ends):
+        if due and not (trainer.epoch_complete() or trainer.done()):
             self.save(trainer)
 
     def after_epoch(self, trainer: Trainer) -> None:

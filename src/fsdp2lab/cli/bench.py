@@ -59,6 +59,12 @@ def register(subparsers) -> None:
         type=int,
         help="OMP_NUM_THREADS of every rank (CPU runs: 1 makes a rank one core, as a GPU is one)",
     )
+    bench.add_argument(
+        "--profile",
+        action="store_true",
+        help="each run writes a profiler trace to RESULTS/<run>/profile (train --profile); the "
+        "report adds where a step goes",
+    )
     bench.add_argument("--resume", action="store_true", help="keep runs of RESULTS that succeeded")
     bench.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
     bench.add_argument(
@@ -161,6 +167,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             srun_args=args.srun_args,
             resume=args.resume,
             threads_per_rank=args.threads_per_rank,
+            profile=args.profile,
         )
     except runner.Interrupted as stop:
         print(f"fsdp2lab bench: stopped by {stop}; continue with --resume", file=sys.stderr)

@@ -33,9 +33,14 @@ class Hooks:
         return False
 
     def after_step(self, trainer: Trainer) -> None: ...
+    def after_eval(self, trainer: Trainer, record: dict) -> None:
+        """An evaluation ran: ``record`` is its ``eval`` metrics record (step, epoch,
+        elapsed_s, test_loss, test_accuracy, ...)."""
+
     def after_epoch(self, trainer: Trainer) -> None: ...
     def after_fit(self, trainer: Trainer) -> None: ...
 
 
 class StopTraining(Exception):
-    """Raised by a hook to end training early and cleanly (e.g. after a preemption checkpoint)."""
+    """Raised by a hook to end training at once (e.g. after a preemption checkpoint): no summary,
+    no final save. A hook that wants a normal end sooner calls ``trainer.request_stop``."""

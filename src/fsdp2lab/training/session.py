@@ -19,14 +19,27 @@ log = logs.get_logger(__name__)
 
 
 def observers(cfg: TrainConfig, runtime: Runtime) -> list[Hooks]:
-    """The hooks that watch a run: TensorBoard, the progress bar, the memory snapshot."""
+    """The hooks that watch a run: extra evaluations and the target accuracy, TensorBoard, the
+    progress bar, the profiler, the memory snapshot."""
     hooks: list[Hooks] = []
+    if cfg.eval_every_steps:
+        from fsdp2lab.training.periodic_eval import PeriodicEval
+
+        hooks.append(PeriodicEval(cfg.eval_every_steps))
+    if cfg.target_accuracy is not None:
+        from fsdp2lab.training.target_accuracy import TargetAccuracy
+
+        hooks.append(TargetAccuracy(cfg.target_fraction()))
     if cfg.tensorboard:
         from fsdp2lab.training.tensorboard import TensorBoardWriter
 
         hooks.append(TensorBoardWriter(cfg.tensorboard))
     if progress.wanted(cfg.progress, runtime.is_main):
         hooks.append(progress.ProgressBar())
+    if cfg.profile:
+        from fsdp2lab.training.profiler import Profiler
+
+        hooks.append(Profiler(cfg.profile, runtime.rank, runtime.is_main, active=cfg.profile_steps))
     if cfg.memory_snapshot:
         from fsdp2lab.training.memory_snapshot import MemorySnapshot
 

@@ -60,6 +60,9 @@ class TensorBoardWriter(Hooks):
     def after_epoch(self, trainer: Trainer) -> None:
         self._write(trainer.last_epoch_record, "epoch")
 
+    def after_eval(self, trainer: Trainer, record: dict) -> None:
+        self._write(record, "eval")
+
     def after_fit(self, trainer: Trainer) -> None:
         if self.writer is not None:
             self.writer.close()

@@ -17,9 +17,8 @@ import torch.nn.functional as F
 
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.data import loader as data_loader
-from fsdp2lab.data.sampler import DistributedBatchSampler, eval_shards
+from fsdp2lab.data.sampler import DistributedBatchSampler
 from fsdp2lab.models.spec import logits_of
-from fsdp2lab.parallel.fsdp2 import reshard_all
 from fsdp2lab.parallel.pp import Pipeline
 from fsdp2lab.parallel.precision import DTYPES
 from fsdp2lab.parallel.strategies import build_model
@@ -27,9 +26,11 @@ from fsdp2lab.plan import RunPlan, check_dataset, resolve
 from fsdp2lab.runtime import faults, logs
 from fsdp2lab.runtime.distributed import Runtime, on_rank0
 from fsdp2lab.runtime.mesh import build_mesh, dp_rank
+from fsdp2lab.training import evaluation
 from fsdp2lab.training import metrics as m
 from fsdp2lab.training.hooks import Hooks, StopTraining, TrainState
 from fsdp2lab.training.optim import build_optimizer, build_scheduler
+from fsdp2lab.training.profiler import DATA_RANGE
 
 log = logs.get_logger(__name__)
 
@@ -97,6 +98,8 @@ class Trainer:
         self.last_eval: dict = {}
         self.train_time_s = 0.0
         self.last_grad_norm: float | None = None
+        self.stop_reason: str | None = None  # set by request_stop: end after this step
+        self.fit_started = time.perf_counter()
 
     # ------------------------------------------------------------------ setup helpers
     def _total_steps(self) -> int:
@@ -135,6 +138,10 @@ class Trainer:
         x, y = batch
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
+    def _next_batch(self, batches):
+        with torch.profiler.record_function(DATA_RANGE):
+            return self._to_device(next(batches))
+
     def _all_reduce_sum(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         if dist.is_initialized() and self.runtime.world_size > 1:
@@ -156,7 +163,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         samples = 0
         for micro in range(k):
-            x, y = self._to_device(next(batches))
+            x, y = self._next_batch(batches)
             if self.pipeline is not None:
                 # The schedule runs forward and backward over pipeline micro-batches.
                 loss = self.pipeline.train_step(
@@ -196,23 +203,40 @@ class Trainer:
         log.info(self.describe())
         for hook in self.hooks:
             hook.before_fit(self)
-        start = time.perf_counter()
+        start = self.fit_started = time.perf_counter()
         try:
-            while self.state.epoch <= cfg.epochs and not self._done():
+            while self.state.epoch <= cfg.epochs and not self.done():
                 self._train_epoch()
         except StopTraining as stop:
             log.info(f"fsdp2lab: training stopped: {stop}")
             self.train_time_s += time.perf_counter() - start
             return {}
         self.train_time_s += time.perf_counter() - start
+        if self.stop_reason:
+            log.info(f"fsdp2lab: training stopped: {self.stop_reason}")
         summary = self.summary()
         self.metrics.write("summary", **summary)
         for hook in self.hooks:
             hook.after_fit(self)
         return summary
 
-    def _done(self) -> bool:
-        return self.cfg.max_steps is not None and self.state.step >= self.cfg.max_steps
+    def request_stop(self, reason: str) -> None:
+        """End training normally (summary, checkpoint, saved model) after the current step."""
+        self.stop_reason = reason
+
+    def elapsed_s(self) -> float:
+        """Training wall time so far, evaluations included (runs before a resume too)."""
+        return self.train_time_s + time.perf_counter() - self.fit_started
+
+    def epoch_complete(self) -> bool:
+        """No full global batch is left in this epoch."""
+        return self.state.epoch_samples + self.global_batch > len(self.train_set)
+
+    def done(self) -> bool:
+        max_steps = self.cfg.max_steps
+        return self.stop_reason is not None or (
+            max_steps is not None and self.state.step >= max_steps
+        )
 
     def _train_epoch(self) -> None:
         cfg, rt, st = self.cfg, self.runtime, self.state
@@ -226,7 +250,7 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         sample_count = 0
         for _ in range(steps_left):
-            if self._done():
+            if self.done():
                 break
             faults.before_step(rt.rank, st.step + 1)
             loss, samples = self.train_step(batches)
@@ -245,12 +269,8 @@ class Trainer:
         total_loss, total_count = self._all_reduce_sum([float(loss_sum), float(sample_count)])
         train_loss = total_loss / max(total_count, 1)
         log.info(f"Train Epoch: {st.epoch} \tLoss: {train_loss:.6f}")
-        self.last_eval = self.evaluate()
-        ev = self.last_eval
-        log.info(
-            f"Test set: Average loss: {ev['test_loss']:.4f}, Accuracy: {ev['correct']}/{ev['count']} "
-            f"({100.0 * ev['test_accuracy']:.2f}%)",
-        )
+        # Evaluated at this very step already: a periodic evaluation that reached --target-accuracy.
+        ev = self.last_eval if self.last_eval.get("step") == st.step else self.run_eval(True)
         epoch_samples = total_count / self.replicas_per_dp_rank
         samples_per_s = epoch_samples / epoch_time if epoch_time > 0 else 0.0
         log.info(f"Epoch {st.epoch} time: {epoch_time:.2f}s ({samples_per_s:,.0f} samples/s)\n")
@@ -265,8 +285,7 @@ class Trainer:
             epoch_time_s=epoch_time,
             samples_per_s=samples_per_s,
         )
-        epoch_complete = st.epoch_samples + self.global_batch > len(self.train_set)
-        if epoch_complete:
+        if self.epoch_complete():
             if self.scheduler_unit == "epoch":  # not after an epoch cut short by --max-steps
                 self.scheduler.step()
             st.epoch += 1
@@ -295,37 +314,9 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------ evaluation
-    @torch.no_grad()
-    def evaluate(self) -> dict:
-        """Test loss and accuracy over the whole test set; loss, correct and count summed over ranks."""
-        self.model.eval()
-        loss_sum, correct, count = 0.0, 0.0, 0.0
-        for indices, valid in eval_shards(
-            len(self.test_set), self.cfg.test_batch_size, self.dims.dp, self.dp_rank
-        ):
-            x, y = self._to_device(self.test_set.__getitems__(indices))
-            with self._autocast():
-                out = self.model(x) if self.pipeline is None else self.pipeline.forward(x)
-            if out is None:  # a pipeline stage before the last one
-                continue
-            out, y = logits_of(out)[:valid], y[:valid]
-            loss_sum += float(self._loss(out, y, reduction="sum"))
-            correct += float((out.argmax(dim=-1) == y).sum())
-            count += y.numel()
-        sums = [loss_sum, correct, count]
-        if self.pipeline is not None:
-            sums = self.pipeline.from_last_stage(sums)
-        loss_sum, correct, count = (
-            v / self.replicas_per_dp_rank for v in self._all_reduce_sum(sums)
-        )
-        reshard_all(self.model)
-        self.model.train()
-        return {
-            "test_loss": loss_sum / max(count, 1),
-            "test_accuracy": correct / max(count, 1),
-            "correct": int(round(correct)),
-            "count": int(round(count)),
-        }
+    def run_eval(self, epoch_end: bool = False) -> dict:
+        """Evaluate on the test set: log, record, and call ``after_eval`` (``evaluation.run``)."""
+        return evaluation.run(self, epoch_end)
 
     # ------------------------------------------------------------------ measurement
     def summary(self) -> dict:

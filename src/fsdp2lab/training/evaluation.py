@@ -1,0 +1,63 @@
+"""Evaluation on the test set: every rank its share, sums reduced over ranks; the seed's
+"Test set" line, an ``eval`` record in the metrics file, and the ``after_eval`` hooks."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from fsdp2lab.data.sampler import eval_shards
+from fsdp2lab.models.spec import logits_of
+from fsdp2lab.parallel.fsdp2 import reshard_all
+from fsdp2lab.runtime import logs
+
+if TYPE_CHECKING:
+    from fsdp2lab.training.trainer import Trainer
+
+log = logs.get_logger(__name__)
+
+
+def run(t: Trainer, epoch_end: bool) -> dict:
+    """Evaluate at the current step; ``epoch_end`` prints the seed's line, else "at step N"."""
+    st = t.state
+    ev = {**evaluate(t), "step": st.step, "epoch": st.epoch, "elapsed_s": t.elapsed_s()}
+    t.last_eval = ev
+    at = "" if epoch_end else f" at step {st.step}"
+    log.info(
+        f"Test set{at}: Average loss: {ev['test_loss']:.4f}, Accuracy: {ev['correct']}/"
+        f"{ev['count']} ({100.0 * ev['test_accuracy']:.2f}%)",
+    )
+    record = t.metrics.write("eval", **ev)
+    for hook in t.hooks:
+        hook.after_eval(t, record)
+    return ev
+
+
+@torch.no_grad()
+def evaluate(t: Trainer) -> dict:
+    """Test loss and accuracy over the whole test set; loss, correct and count summed over ranks."""
+    t.model.eval()
+    loss_sum, correct, count = 0.0, 0.0, 0.0
+    for indices, valid in eval_shards(len(t.test_set), t.cfg.test_batch_size, t.dims.dp, t.dp_rank):
+        x, y = t._to_device(t.test_set.__getitems__(indices))
+        with t._autocast():
+            out = t.model(x) if t.pipeline is None else t.pipeline.forward(x)
+        if out is None:  # a pipeline stage before the last one
+            continue
+        out, y = logits_of(out)[:valid], y[:valid]
+        loss_sum += float(t._loss(out, y, reduction="sum"))
+        correct += float((out.argmax(dim=-1) == y).sum())
+        count += y.numel()
+    sums = [loss_sum, correct, count]
+    if t.pipeline is not None:
+        sums = t.pipeline.from_last_stage(sums)
+    loss_sum, correct, count = (v / t.replicas_per_dp_rank for v in t._all_reduce_sum(sums))
+    reshard_all(t.model)
+    t.model.train()
+    return {
+        "test_loss": loss_sum / max(count, 1),
+        "test_accuracy": correct / max(count, 1),
+        "correct": int(round(correct)),
+        "count": int(round(count)),
+    }

@@ -1,0 +1,218 @@
+"""Tools for speed work: ``--target-accuracy`` / ``--eval-every-steps`` and ``--profile``."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+
+import pytest
+
+from conftest import read_metrics, run_cli, train
+from fsdp2lab.bench.results import step_time
+from fsdp2lab.training.profiler import PARTS, breakdown
+
+SYNTH = ["--dataset", "synthetic", "--synthetic-size", "2048", "--progress", "off"]
+
+
+def _evals(run) -> list[tuple[int, float]]:
+    return [(r["step"], r["test_accuracy"]) for r in run.events("eval")]
+
+
+def test_target_accuracy_stops_at_the_first_evaluation_at_or_above_it(tmp_path):
+    # 32 steps an epoch; evaluations at steps 4, 8, ..., 28 and at the end of the epoch (32).
+    flags = [*SYNTH, "--epochs", "1", "--eval-every-steps", "4", "--nproc-per-node", "2"]
+    full = train(tmp_path, *flags, name="full")
+    evals = _evals(full)
+    assert [s for s, _ in evals] == [4, 8, 12, 16, 20, 24, 28, 32]
+    # A target first reached in the middle, and exactly (>=, not >): the best of the first half
+    # is reached again or beaten later only from the evaluation where it first occurs.
+    best_early = max(a for s, a in evals if s <= 16)
+    first = next(i for i, (_, a) in enumerate(evals) if a >= best_early)
+    assert 0 < first < len(evals) - 1, f"no evaluation in the middle reaches a target: {evals}"
+    stop_step = evals[first][0]
+
+    run = train(tmp_path, *flags, "--target-accuracy", repr(best_early), name="target")
+    assert _evals(run) == evals[: first + 1]  # the same run, up to the first at/above target
+    (reached,) = run.events("target_reached")
+    assert reached["step"] == stop_step and reached["test_accuracy"] == best_early
+    assert 0 < reached["elapsed_s"] < run.summary["train_time_s"] + 1e-6
+    assert run.summary["steps"] == stop_step
+    assert "training stopped: test accuracy" in run.stderr + run.stdout
+    # In percent too, and a target never reached trains to the end.
+    run = train(tmp_path, *flags, "--target-accuracy", "100", name="never")
+    assert _evals(run) == evals and not run.events("target_reached")
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "101", "nan"])
+def test_a_bad_target_accuracy_is_one_usage_error(tmp_path, bad):
+    run = train(tmp_path, *SYNTH, "--target-accuracy", bad, check=False)
+    assert run.returncode == 2
+    assert "--target-accuracy must be in" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_profile_writes_a_trace_per_rank_and_a_breakdown_that_adds_up(tmp_path):
+    run = train(tmp_path, *SYNTH, "--max-steps", "12", "--profile", "prof", "--nproc-per-node", "2")
+    for rank in (0, 1):
+        trace = json.loads((tmp_path / "prof" / f"rank{rank}.pt.trace.json").read_text())
+        names = {e.get("name") for e in trace["traceEvents"]}
+        assert {f"ProfilerStep#{i}" for i in range(6, 11)} <= names  # 5 steps after warm-up
+        assert "fsdp2lab.data" in names
+    (record,) = run.events("profile")
+    steps = breakdown(tmp_path / "prof" / "rank0.pt.trace.json")
+    assert len(steps) == record["steps"] == 5
+    for step in steps:
+        assert all(step[p] >= 0 for p in PARTS)
+        assert sum(step[p] for p in PARTS) == pytest.approx(step["step"], rel=1e-9)
+        assert step["compute"] > 0 and step["exposed_comm"] > 0 and step["optimizer"] > 0
+    assert "exposed_comm" in run.stderr + run.stdout
+
+
+def _x(name, ts, dur, tid=1, cat="cpu_op"):
+    return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 1, "cat": cat}
+
+
+def test_breakdown_of_a_known_cpu_trace(tmp_path):
+    """One 100 us step: data 0-10, forward ops 10-40 with a collective 20-30 inside (its copy op
+    nested in it counts as communication), an op on another thread (not the step's), the
+    optimizer 60-80 with ops in it; 40-60 and 80-100 are host time."""
+    events = [
+        _x("ProfilerStep#3", 0, 100),
+        _x("fsdp2lab.data", 0, 10),
+        _x("aten::to", 2, 5),
+        _x("aten::linear", 10, 30),
+        _x("FSDP::all_gather", 20, 10),
+        _x("aten::copy_", 22, 4),
+        _x("aten::mm", 45, 5, tid=2),
+        _x("Optimizer.step#Adam.step", 60, 20),
+        _x("aten::_fused_adam_", 61, 18),
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    (step,) = breakdown(path)
+    ms = {k: round(v * 1000, 6) for k, v in step.items()}  # back to microseconds
+    assert ms == {"step": 100, "data": 10, "optimizer": 20, "exposed_comm": 10, "compute": 20,
+                  "host": 40}  # fmt: skip
+
+
+def test_breakdown_of_a_known_gpu_trace(tmp_path):
+    """GPU: compute kernels 10-50, an NCCL kernel 40-70 (10 us hidden under compute, 20 exposed)."""
+    events = [
+        _x("ProfilerStep#1", 0, 100),
+        _x("aten::mm", 5, 10),
+        _x("gemm_kernel", 10, 40, tid=7, cat="kernel"),
+        _x("ncclDevKernel_ReduceScatter", 40, 30, tid=8, cat="kernel"),
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    (step,) = breakdown(path)
+    ms = {k: round(v * 1000, 6) for k, v in step.items()}
+    assert ms == {"step": 100, "data": 0, "optimizer": 0, "exposed_comm": 20, "compute": 40,
+                  "host": 40}  # fmt: skip
+
+
+SPEED_SWEEP = """
+[sweep]
+strategies = ["fsdp2"]
+world_sizes = [2]
+models = ["mlp-fast", "mlp-slow"]
+
+[train]
+dataset = "synthetic"
+synthetic_size = 1024
+max_steps = 12
+log_every_steps = 2
+eval_every_steps = 4
+
+[models.mlp-fast]      # a model of its own: mlp, with its own strategies
+model = "mlp"
+strategies = ["compute-only", "fsdp2"]
+target_accuracy = 0.05
+
+[models.mlp-slow]
+model = "mlp"
+strategies = ["ddp"]
+"""
+
+
+def test_bench_side_by_side_aliases_time_to_target_and_profile(tmp_path):
+    (tmp_path / "sweep.toml").write_text(SPEED_SWEEP)
+    proc = run_cli(
+        ["bench", "--sweep", "sweep.toml", "--out", "res", "--profile"], cwd=tmp_path, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = tmp_path / "res"
+    runs = sorted(p.name for p in res.iterdir() if (p / "status.json").exists())
+    assert runs == [
+        "mlp-fast-compute-only-ws2-fp32",
+        "mlp-fast-fsdp2-ws2-fp32",
+        "mlp-slow-ddp-ws2-fp32",
+    ]
+    side = res / "mlp-fast-compute-only-ws2-fp32"
+    # Two one-rank runs at once, 32 samples each (the recipe's 64 over 2 ranks).
+    assert len((side / "command.txt").read_text().splitlines()) == 2
+    copies = [read_metrics(side / m) for m in ("metrics.jsonl", "metrics-1.jsonl")]
+    for records in copies:
+        (summary,) = [r for r in records if r["event"] == "summary"]
+        assert summary["world_size"] == 1 and summary["global_batch_size"] == 32
+    rows = {r["run"]: r for r in csv.DictReader((res / "results.csv").open())}
+    row = rows[side.name]
+    assert row["copies"] == "2" and row["global_batch_size"] == "64" and row["model"] == "mlp-fast"
+    assert float(row["samples_per_s"]) == pytest.approx(
+        sum(32 / step_time(c) for c in copies), rel=1e-9
+    )
+    # The target (5%) is reached at the first evaluation (step 4).
+    fast = rows["mlp-fast-fsdp2-ws2-fp32"]
+    assert fast["steps_to_target"] == "4" and float(fast["time_to_target_s"]) > 0
+    assert rows["mlp-slow-ddp-ws2-fp32"]["steps_to_target"] == ""
+    summary = (res / "summary.md").read_text()
+    assert "of compute-only" in summary and "Time to the target accuracy" in summary
+    assert "Where a step goes" in summary
+    slow = res / "mlp-slow-ddp-ws2-fp32"
+    assert (slow / "profile" / "rank1.pt.trace.json").is_file()
+    assert float(rows[slow.name]["profile_step_ms"]) > 0
+    # The run that reached its target at step 4 ended before the profiled steps, and says so.
+    assert "ended before the profiled steps" in (res / fast["run"] / "stdout.log").read_text()
+    assert (res / "plots" / "mlp-slow-accuracy-vs-time.png").is_file()
+
+
+def test_sweep_plans_model_aliases_own_axes_repeats_and_side_by_side(tmp_path):
+    from fsdp2lab.bench import sweep
+
+    path = tmp_path / "s.toml"
+    path.write_text(
+        SPEED_SWEEP.replace('strategies = ["ddp"]', 'strategies = ["ddp"]\nrepeat = 1').replace(
+            "[sweep]", "[sweep]\nrepeat = 2"
+        )
+    )
+    runs, skipped = sweep.plan(sweep.load_sweep(str(path)))
+    assert not skipped
+    assert [(r.run_id, r.copies, r.values["model"]) for r in runs] == [
+        ("mlp-fast-compute-only-ws2-fp32-r1", 2, "mlp"),
+        ("mlp-fast-fsdp2-ws2-fp32-r1", 1, "mlp"),
+        ("mlp-slow-ddp-ws2-fp32-r1", 1, "mlp"),
+        ("mlp-fast-compute-only-ws2-fp32-r2", 2, "mlp"),
+        ("mlp-fast-fsdp2-ws2-fp32-r2", 1, "mlp"),
+    ]
+    side = runs[0].values
+    assert side["strategy"] == "single" and side["global_batch_size"] == 32
+    assert "side_by_side" not in side and runs[1].values["target_accuracy"] == 0.05
+
+
+@pytest.mark.parametrize(
+    "table, message",
+    [
+        ('[models.x]\nmodel = "nope"', "[models.x] is no model"),
+        ('[models.x]\nmodel = "mlp"\nrepeat = 0', "repeat must be an integer >= 1"),
+        ('[models.x]\nmodel = "mlp"\nstrategies = ["warp"]', "strategies: unknown 'warp'"),
+        ('[variants.v]\nside_by_side = "yes"', "side_by_side must be true or false"),
+    ],
+)
+def test_sweep_model_and_variant_tables_are_checked(tmp_path, table, message):
+    from fsdp2lab.bench import sweep
+    from fsdp2lab.errors import UsageError
+
+    path = tmp_path / "s.toml"
+    path.write_text(f'[sweep]\nmodels = ["x"]\n{table}\n' if "models.x" in table else table)
+    with pytest.raises(UsageError, match=re.escape(message)):
+        sweep.plan(sweep.load_sweep(str(path)))
