@@ -10,6 +10,8 @@ import pytest
 
 from conftest import read_metrics, run_cli, train
 from fsdp2lab.bench.results import step_time
+from fsdp2lab.config import TrainConfig
+from fsdp2lab.plan import resolve
 from fsdp2lab.training.profiler import PARTS, breakdown
 
 SYNTH = ["--dataset", "synthetic", "--synthetic-size", "2048", "--progress", "off"]
@@ -17,6 +19,32 @@ SYNTH = ["--dataset", "synthetic", "--synthetic-size", "2048", "--progress", "of
 
 def _evals(run) -> list[tuple[int, float]]:
     return [(r["step"], r["test_accuracy"]) for r in run.events("eval")]
+
+
+TUNED = {"optimizer": "adam", "lr": 2e-3, "dropout": 0.0}
+SEED = {"optimizer": "adadelta", "lr": None, "dropout": None}
+
+
+@pytest.mark.parametrize(
+    "given, want",
+    [
+        ({}, TUNED),  # the main job: cnn, dataset auto (MNIST, else Fashion-MNIST)
+        ({"dataset": "fashion-mnist"}, TUNED),
+        ({"recipe": "seed"}, SEED),
+        ({"dataset": "synthetic"}, SEED),  # no recipe measured for it
+        ({"model": "mlp", "dataset": "mnist"}, SEED),
+        # The user's values win; the optimizer and its learning rate come from the recipe only
+        # together (a seed command's --lr 1.0 must not reach Adam).
+        ({"lr": 1.0}, {**SEED, "lr": 1.0, "dropout": 0.0}),
+        ({"optimizer": "sgd"}, {**SEED, "optimizer": "sgd", "dropout": 0.0}),
+        ({"dropout": 0.5, "global_batch_size": 32}, {**TUNED, "dropout": 0.5}),
+    ],
+)
+def test_recipe_fills_only_what_the_user_left_unset(given, want):
+    cfg = resolve(TrainConfig(**given), 2).cfg
+    assert {k: getattr(cfg, k) for k in want} == want
+    assert cfg.global_batch_size == given.get("global_batch_size")
+    assert resolve(cfg, 2).cfg == cfg  # resolving again changes nothing
 
 
 def test_target_accuracy_stops_at_the_first_evaluation_at_or_above_it(tmp_path):

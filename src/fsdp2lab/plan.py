@@ -78,9 +78,10 @@ def resolve(cfg: TrainConfig, world_size: int) -> RunPlan:
 
         check_available(cfg.device)
     dims = ParallelDims.resolve(world_size, cfg.dp_replicate, cfg.dp_shard, cfg.tp, cfg.pp)
+    spec = get_spec(cfg.model, cfg)
+    cfg = cfg.with_recipe(spec.recipes.get(_dataset(cfg, spec), {}))
     global_batch, micro_batch = batch_sizes(cfg, dims.dp)
 
-    spec = get_spec(cfg.model, cfg)
     if cfg.dataset != "auto" and not is_reference(cfg.dataset) and cfg.dataset not in spec.datasets:
         raise UsageError(
             f"dataset {cfg.dataset!r} does not fit model {spec.name!r}; it takes: {', '.join(spec.datasets)}"
@@ -129,9 +130,14 @@ def resolve(cfg: TrainConfig, world_size: int) -> RunPlan:
     )
 
 
+def _dataset(cfg: TrainConfig, spec: ModelSpec) -> str:
+    """The dataset the run asks for (``auto``: the model's first choice)."""
+    return spec.default_dataset if cfg.dataset == "auto" else cfg.dataset
+
+
 def sample_input(spec: ModelSpec, cfg: TrainConfig, batch: int = 2) -> torch.Tensor:
     """A meta batch shaped as the dataset ``cfg`` asks for (``auto``: the model's default)."""
-    dataset = spec.default_dataset if cfg.dataset == "auto" else cfg.dataset
+    dataset = _dataset(cfg, spec)
     if dataset == "text" or (dataset == "synthetic" and spec.task == "lm"):
         return torch.zeros(batch, cfg.seq_len, dtype=torch.long, device="meta")
     shape = {"cifar10": (3, 32, 32), "synthetic": spec.input_shape}.get(dataset, (1, 28, 28))

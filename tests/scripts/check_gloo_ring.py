@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp2lab.parallel.gloo_ring import RingAllGather, RingReduceScatter
+from fsdp2lab.runtime.torch_compat import all_gather_single, reduce_scatter_single
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -33,7 +34,7 @@ for g in groups:
         # all-gather: identical bytes
         ours, theirs = torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
         assert RingAllGather()(ours, shard, g) is None
-        dist.all_gather_into_tensor(theirs, shard, group=g)
+        all_gather_single(theirs, shard, group=g)
         checks[f"ag n={n} numel={numel} {dtype}"] = bool(torch.equal(ours, theirs))
         # reduce-scatter, SUM and AVG: equal up to the order of the additions
         for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
@@ -44,7 +45,7 @@ for g in groups:
             before = full.clone()
             RingReduceScatter()(ours, full, g, op)
             assert torch.equal(full, before), "the input was modified"
-            dist.reduce_scatter_tensor(theirs, full.clone(), dist.ReduceOp.SUM, group=g)
+            reduce_scatter_single(theirs, full.clone(), dist.ReduceOp.SUM, group=g)
             if op == dist.ReduceOp.AVG:
                 theirs /= n
             tol = 1e-2 if dtype == torch.bfloat16 else 1e-5

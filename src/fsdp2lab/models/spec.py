@@ -17,8 +17,8 @@ pipeline cannot use ``--tp`` or ``--pp``.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -81,6 +81,9 @@ class ModelSpec:
     loss: Callable[[Any, Any], Any] | None = None  # (output, target) -> mean; None: cross-entropy
     # Build with parameters on meta but buffers real (models whose buffers no init can rebuild).
     real_buffers: bool = False
+    # Per dataset, the training config values measured best for it (``--recipe tuned``): they fill
+    # the flags the user leaves unset (TrainConfig.with_recipe).
+    recipes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
 
 def logits_of(output: Any) -> torch.Tensor:

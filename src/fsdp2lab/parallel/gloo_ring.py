@@ -21,7 +21,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp2lab.runtime.torch_compat import AllGatherBase, ReduceScatterBase, set_custom_collectives
+from fsdp2lab.runtime.torch_compat import (
+    AllGatherBase,
+    ReduceScatterBase,
+    all_gather_single,
+    reduce_scatter_single,
+    set_custom_collectives,
+)
 
 
 class _PlainAlloc:
@@ -43,7 +49,7 @@ class RingAllGather(_PlainAlloc, AllGatherBase):
         async_op: bool = False,
     ) -> dist.Work | None:
         if async_op:
-            return dist.all_gather_into_tensor(output_tensor, input_tensor, group, async_op=True)
+            return all_gather_single(output_tensor, input_tensor, group, async_op=True)
         ring_all_gather(output_tensor, input_tensor, group)
         return None
 
@@ -61,9 +67,7 @@ class RingReduceScatter(_PlainAlloc, ReduceScatterBase):
         async_op: bool = False,
     ) -> dist.Work | None:
         if async_op or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            return dist.reduce_scatter_tensor(
-                output_tensor, input_tensor, op, group, async_op=async_op
-            )
+            return reduce_scatter_single(output_tensor, input_tensor, op, group, async_op=async_op)
         ring_reduce_scatter(output_tensor, input_tensor, group)
         if op == dist.ReduceOp.AVG:
             output_tensor.div_(group.size())

@@ -35,6 +35,9 @@ DCP get/set_state_dict, flatten_optim...  <=2.6    ``async_save(process_group=)`
                                                    async_checkpointer_type 2.7, async_stager 2.9)
 DeviceMesh slicing, ``_flatten``          <=2.6    private: ``flatten_mesh``
 FSDPModule._set_unshard_async_op          <=2.6    private: ``set_unshard_async_op``
+all_gather_single / reduce_scatter_single 2.14     2.14.1 warns that ``all_gather_into_tensor``/
+                                                   ``reduce_scatter_tensor`` are deprecated; where
+                                                   the new names are missing, the old ones
 torch.distributed.set_timeout             2.14     before: distributed_c10d._set_pg_timeout
                                                    (private, the same; ``set_group_timeout``)
 listing the process groups                -        private ``distributed_c10d._world.pg_map``
@@ -83,6 +86,15 @@ def _takes(fn: Callable, name: str) -> bool:
         return name in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
+
+
+# ------------------------------------------------ tensor collectives (renamed in torch 2.14)
+all_gather_single: Callable[..., dist.Work | None] = getattr(
+    dist, "all_gather_single", dist.all_gather_into_tensor
+)
+reduce_scatter_single: Callable[..., dist.Work | None] = getattr(
+    dist, "reduce_scatter_single", dist.reduce_scatter_tensor
+)
 
 
 # ------------------------------------------------ FSDP2 custom collectives (torch 2.9)
