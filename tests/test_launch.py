@@ -82,6 +82,21 @@ def test_failing_rank_ends_the_job_quickly_with_its_error_once(tmp_path):
     assert run.stderr.count("Traceback") == 1
 
 
+def test_the_job_exits_with_the_code_of_the_rank_that_failed_first():
+    """Rank 1 exits 43; rank 0 exits 1 some 20 ms after its pipe from rank 1 closes (as a rank
+    whose collective broke does). A launcher that polls could see both exits at once."""
+    from fsdp2lab.runtime.local_launcher import _wait
+
+    for _ in range(5):
+        dies = subprocess.Popen(["sh", "-c", "sleep 0.3; exit 43"], stdout=subprocess.PIPE)
+        follows = subprocess.Popen(
+            ["sh", "-c", "cat >/dev/null; sleep 0.02; exit 1"], stdin=dies.stdout
+        )
+        dies.stdout.close()
+        assert _wait([follows, dies]) == 43
+        follows.wait()
+
+
 def _usage_error(tmp_path, *args: str) -> str:
     proc = run_cli(["train", *args], cwd=tmp_path, timeout=120)
     assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])

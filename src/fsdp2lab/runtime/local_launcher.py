@@ -8,10 +8,12 @@ the job never hangs, and its exit code is the failing worker's.
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 from fsdp2lab.runtime import logs
@@ -65,19 +67,29 @@ def launch(nproc: int, argv: list[str]) -> int:
 
 
 def _wait(procs: list[subprocess.Popen]) -> int:
-    while True:
-        codes = [p.poll() for p in procs]
-        failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
-            rank, code = failed[0]
-            if code > 0:
-                return code
+    """Return 0 once every worker succeeded, else the exit code of the first worker to fail.
+
+    One thread per worker blocks in ``wait()``, so exits are seen in the order they happen: a rank
+    that dies (exit code 43, say) is reported, not the peer that stopped a moment later because its
+    collective broke (exit code 1). Polling could see both at once and pick the wrong one.
+    """
+    exits: queue.Queue[tuple[int, int]] = queue.Queue()
+    for rank, p in enumerate(procs):
+        threading.Thread(target=lambda r=rank, p=p: exits.put((r, p.wait())), daemon=True).start()
+    for _ in procs:
+        while True:
+            try:  # a timeout keeps the main thread responsive to forwarded signals
+                rank, code = exits.get(timeout=0.2)
+                break
+            except queue.Empty:
+                continue
+        if code > 0:
+            return code
+        if code < 0:
             name = signal.Signals(-code).name if -code in signal.valid_signals() else -code
             log.error(f"fsdp2lab: error: rank {rank} was killed by {name}")
             return 1
-        if all(c == 0 for c in codes):
-            return 0
-        time.sleep(0.05)
+    return 0
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
