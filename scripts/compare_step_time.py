@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from fsdp2lab.config import add_train_arguments, config_from_args
 from fsdp2lab.runtime import distributed, launch_env
+from fsdp2lab.training.optim import build_optimizer
 from fsdp2lab.training.trainer import Trainer
 
 VARIANTS = {
@@ -39,6 +40,9 @@ VARIANTS = {
         *["--fsdp-units", "layer", "--reshard-after-forward", "false", "--prefetch", "1"]
     ],
 }
+# ``<variant>-dtensor-step``: the variant with its optimizer stepping on the DTensors themselves
+# rather than on their local shards (``parallel/local_step.py``).
+DTENSOR_STEP = "-dtensor-step"
 DEFAULT = [n for n in VARIANTS if n not in ("fsdp2-auto-1m", "fsdp2-zero2", "fsdp2-auto-builtin")]
 REFERENCES = ("ddp", "fsdp1", "fsdp1-root")
 
@@ -47,7 +51,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant per round")
-    parser.add_argument("--variants", default=",".join(DEFAULT), help=f"of {', '.join(VARIANTS)}")
+    parser.add_argument(
+        "--variants",
+        default=",".join(DEFAULT),
+        help=f"of {', '.join(VARIANTS)}, each also with the suffix {DTENSOR_STEP}",
+    )
     parser.add_argument("train_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     train_args = [a for a in args.train_args if a != "--"]
@@ -58,10 +66,15 @@ def main() -> None:
         for name in names:
             flags = argparse.ArgumentParser()
             add_train_arguments(flags)
+            variant = VARIANTS[name.removesuffix(DTENSOR_STEP)]
             cfg = config_from_args(
-                flags.parse_args([*train_args, *VARIANTS[name], "--log-every-steps", "1000000"])
+                flags.parse_args([*train_args, *variant, "--log-every-steps", "1000000"])
             )
             trainers[name] = Trainer(cfg, runtime)
+            if name.endswith(DTENSOR_STEP):
+                trainers[name].optimizer = build_optimizer(
+                    trainers[name].model.parameters(), trainers[name].cfg, local_step=False
+                )
             batches[name] = _batches(trainers[name])
             for _ in range(3):  # warm-up: lazy init, allocations
                 trainers[name].train_step(batches[name])

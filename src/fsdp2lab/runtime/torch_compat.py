@@ -45,6 +45,9 @@ listing the process groups                -        private ``distributed_c10d._w
 CUDA memory snapshot                      <=2.6    private ``torch.cuda.memory._record_memory_history``
                                                    / ``_dump_snapshot`` (``cuda_memory_history``)
 Adam/AdamW fused=True on CPU              <=2.6    (on FSDP2's DTensor shards: tested from 2.8)
+a DTensor's local tensor itself           <=2.6    private ``_local_tensor`` (``local_tensor``):
+                                                   ``to_local()`` is differentiable, and from
+                                                   2.15 gives a parameter a fresh view
 torchdata StatefulDataLoader              0.8      its first release; 0.11 (tested) needs torch>=2
 ========================================  =======  ==============================================
 """
@@ -145,6 +148,12 @@ def set_unshard_async_op(module: FSDPModule, enabled: bool) -> bool:
         return False
     module._set_unshard_async_op(enabled)
     return True
+
+
+# ---------------------------------------------------------------------------- DTensor
+def local_tensor(dtensor: Any) -> torch.Tensor:
+    """The tensor a DTensor holds on this rank: the same object at every call, no autograd."""
+    return dtensor._local_tensor
 
 
 # ---------------------------------------------------------------------- process groups

@@ -8,16 +8,25 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, StepLR
 
 from fsdp2lab.config import TrainConfig
+from fsdp2lab.parallel.local_step import step_on_local_shards
 
 
-def build_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(params, cfg: TrainConfig, local_step: bool = True) -> torch.optim.Optimizer:
+    """The configured optimizer; on DTensor parameters (FSDP2, HSDP, TP) it steps on the local
+    shards unless ``local_step`` is False (benchmarks compare the two)."""
+    optimizer = _optimizer(list(params), cfg)
+    if local_step:
+        step_on_local_shards(optimizer)
+    return optimizer
+
+
+def _optimizer(params: list, cfg: TrainConfig) -> torch.optim.Optimizer:
     lr = cfg.lr if cfg.lr is not None else cfg.default_lr()
     wd = cfg.weight_decay
     if cfg.optimizer == "adadelta":
         return torch.optim.Adadelta(params, lr=lr, weight_decay=wd)
-    # Adam(W) fused: one kernel per step over all parameters. On FSDP2's DTensor shards that is
-    # one DTensor dispatch instead of one per foreach op (measured, gpt 3.3 M on 2 CPU ranks:
-    # the optimizer step 10.1 -> 2.7 ms under FSDP2, 7.3 -> 3.2 ms under DDP).
+    # Adam(W) fused: one kernel per step over all parameters (measured, gpt 3.3 M on 2 CPU ranks
+    # under DDP: the optimizer step 7.3 -> 3.2 ms).
     if cfg.optimizer == "adam":
         return torch.optim.Adam(params, lr=lr, weight_decay=wd, fused=True)
     if cfg.optimizer == "adamw":
