@@ -12,18 +12,35 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
+from fsdp2lab.config import TrainConfig
 from fsdp2lab.parallel.local_step import step_on_local_shards
 from fsdp2lab.runtime.torch_compat import local_tensor
+from fsdp2lab.training.optim import build_optimizer
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def configured(**kwargs):
+    """fsdp2lab's optimizer, as the trainer builds it (local) or stepping on the DTensors (ref)."""
+    cfg = TrainConfig(weight_decay=0.01, **kwargs)
+    return lambda ps, local: build_optimizer(ps, cfg, local_step=local)
+
+
+def foreach_adam(ps, local):
+    opt = torch.optim.Adam(ps, lr=2e-3, foreach=True)
+    if local:
+        step_on_local_shards(opt)
+    return opt
+
+
 OPTIMIZERS = {
-    "adadelta": lambda ps: torch.optim.Adadelta(ps, lr=1.0, weight_decay=0.01),
-    "adam": lambda ps: torch.optim.Adam(ps, lr=2e-3, weight_decay=0.01, fused=True),
-    "adamw": lambda ps: torch.optim.AdamW(ps, lr=2e-3, weight_decay=0.01, fused=True),
-    "adam-foreach": lambda ps: torch.optim.Adam(ps, lr=2e-3, foreach=True),
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01),
+    "adadelta": configured(optimizer="adadelta", lr=1.0),
+    "adam": configured(optimizer="adam", lr=2e-3),  # fused
+    "adamw": configured(optimizer="adamw", lr=2e-3),  # fused
+    "adam-foreach": foreach_adam,
+    "sgd": configured(optimizer="sgd", lr=0.05, momentum=0.9),
 }
 
 
@@ -53,8 +70,7 @@ def on_dtensors(opt) -> list[bool]:
 checks = {}
 for name, make in OPTIMIZERS.items():
     ref_model, local_model = model(), model()
-    ref, local = make(list(ref_model.parameters())), make(list(local_model.parameters()))
-    installed = step_on_local_shards(local)
+    ref, local = make(ref_model.parameters(), False), make(local_model.parameters(), True)
     seen = on_dtensors(local)
     gen = torch.Generator().manual_seed(rank)
     for step in range(15):
@@ -68,7 +84,6 @@ for name, make in OPTIMIZERS.items():
             opt.zero_grad()
     pairs = list(zip(ref_model.parameters(), local_model.parameters(), strict=True))
     checks[name] = {
-        "installed": installed,
         "on_dtensors": seen,
         "params_equal": all(equal(a, b) for a, b in pairs),
         "state_equal": all(
