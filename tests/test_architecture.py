@@ -100,3 +100,17 @@ def test_parallel_names_no_model():
         assert not strings & set(MODELS), (path.name, strings & set(MODELS))
         imports = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         assert all(not m.startswith("fsdp2lab.models") or m in GENERIC for m in imports), path
+
+
+def test_every_rank_entry_point_exits_through_exit_process():
+    """A process group that outlives ``destroy_process_group`` can abort interpreter teardown
+    (``runtime.distributed.exit_process``): every script that starts one ends in exit_process."""
+    root = SRC.parent.parent
+    scripts = [*(root / "scripts").glob("*.py"), *(root / "tests" / "scripts").glob("*.py")]
+    starts = ("init_process_group(", "distributed.init(")
+    missing = [
+        str(p.relative_to(root))
+        for p in scripts
+        if any(s in p.read_text() for s in starts) and "exit_process(" not in p.read_text()
+    ]
+    assert scripts and not missing, missing

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.parallel.local_step import step_on_local_shards
+from fsdp2lab.runtime import distributed
 from fsdp2lab.runtime.torch_compat import local_tensor
 from fsdp2lab.training.optim import build_optimizer
 
@@ -118,3 +119,4 @@ except RuntimeError as e:
 checks["plain_params"] = step_on_local_shards(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1))
 Path(sys.argv[1], f"rank-{rank}.json").write_text(json.dumps({"rank": rank, "checks": checks}))
 dist.destroy_process_group()
+distributed.exit_process(0)

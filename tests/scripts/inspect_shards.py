@@ -66,3 +66,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    distributed.exit_process(0)

@@ -10,7 +10,6 @@ it compared to OUT_DIR/<name>.state.rank<R>.json.
 """
 
 import argparse
-import gc
 import json
 import sys
 from pathlib import Path
@@ -77,8 +76,6 @@ def check_loaded_state(cfg, runtime, ckpt: str, out: Path, name: str) -> None:
     expected = [f"model.{k}" for k in saved["model"]] + [f"optim.{k}" for k in saved["optim"]]
     report = {"compared": compared, "mismatched": mismatched, "expected": expected}
     (out / f"{name}.state.rank{runtime.rank}.json").write_text(json.dumps(report))
-    del trainer, manager
-    gc.collect()
 
 
 def main() -> None:
@@ -90,12 +87,10 @@ def main() -> None:
             if spec.get("check"):
                 check_loaded_state(config(flags), runtime, spec["check"], out, name)
             run_training(config([*flags, "--metrics-file", str(out / f"{name}.jsonl")]), runtime)
-            # Free the model (its process-group work objects) while the interpreter is alive:
-            # left to interpreter shutdown, gloo can abort the process.
-            gc.collect()
     finally:
         distributed.destroy()
 
 
 if __name__ == "__main__":
     main()
+    distributed.exit_process(0)

@@ -7,7 +7,6 @@ Each variant writes OUT_DIR/<name>.jsonl, as ``fsdp2lab train --metrics-file`` d
 """
 
 import argparse
-import gc
 import json
 import sys
 from pathlib import Path
@@ -27,12 +26,10 @@ def main() -> None:
             metrics = ["--metrics-file", str(out / f"{name}.jsonl")]
             cfg = config_from_args(parser.parse_args([*common, *flags, *metrics]))
             run_training(cfg, runtime)
-            # Free the model (its process-group work objects) while the interpreter is alive:
-            # left to interpreter shutdown, gloo can abort the process.
-            gc.collect()
     finally:
         distributed.destroy()
 
 
 if __name__ == "__main__":
     main()
+    distributed.exit_process(0)

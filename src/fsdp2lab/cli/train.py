@@ -4,8 +4,6 @@ workers; under torchrun or srun it is one rank."""
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 from fsdp2lab.cli.common import error
 from fsdp2lab.config import TrainConfig, add_train_arguments, config_from_args
@@ -35,7 +33,7 @@ def default_nproc(cfg: TrainConfig) -> int:
 
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     from fsdp2lab.plan import resolve
-    from fsdp2lab.runtime import launch_env, local_launcher, logs
+    from fsdp2lab.runtime import distributed, launch_env, local_launcher, logs
     from fsdp2lab.runtime.worker import run_rank
 
     try:
@@ -61,7 +59,7 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
             return error(str(e))
         return USAGE_EXIT_CODE
     code = run_rank(launch, cfg.device, _train_on_rank(plan), cfg.collective_timeout)
-    _exit_worker(code)
+    distributed.exit_process(code)
 
 
 def _train_on_rank(plan):
@@ -71,11 +69,3 @@ def _train_on_rank(plan):
         run_training(plan, runtime)
 
     return work
-
-
-def _exit_worker(code: int) -> None:
-    """End a rank without interpreter teardown: gloo's background threads can abort a normal exit
-    ("terminate called without an active exception") after the process group is destroyed."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -88,6 +91,22 @@ def init(
 def destroy() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_process(code: int) -> NoReturn:
+    """End this rank's process now, without interpreter teardown.
+
+    A gloo worker thread releases each collective's work object after the caller has seen it
+    complete, and that release takes the GIL. Where a process group outlives
+    ``destroy_process_group`` (a model, mesh or optimizer still holds it) and the interpreter
+    starts to finalize first, the thread cannot take the GIL and the process aborts
+    ("terminate called without an active exception", exit -6) after the job has succeeded.
+    Every rank's entry point (the CLI, the test and benchmark scripts) ends here.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 def on_rank0(fn: Callable[[], Any]) -> Any:
