@@ -1,9 +1,11 @@
-"""Time gloo's all-reduce, all-gather and reduce-scatter against the rings FSDP2 uses on CPU.
+"""Time gloo's all-reduce, all-gather and reduce-scatter against the rings and the shared-memory
+collectives FSDP2 uses on CPU.
 
     torchrun --nproc-per-node 2 scripts/bench_gloo_collectives.py --numel 1200000 3300000
 
 Prints, per size, the median milliseconds per call over ``--iters`` calls (after 3 warm-up calls)
-of each collective on the whole world. The last column asks whether a reduce-scatter left in
+of each collective on the whole world ("shm": :mod:`fsdp2lab.parallel.shm_collectives`, the
+default for ranks on one host). The last column asks whether a reduce-scatter left in
 flight while compute goes on (what CUDA streams give FSDP2 on GPU) would be cheaper on CPU: every
 chunk's send and receive posted at once (gloo's transport threads move them), a fixed piece of
 compute, then the wait and the sum; the median of that less the median of the compute alone.
@@ -19,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 from fsdp2lab.parallel.gloo_ring import ring_all_gather, ring_reduce_scatter
+from fsdp2lab.parallel.shm_collectives import ShmArena, shm_all_gather, shm_reduce_scatter
+from fsdp2lab.runtime import distributed
 from fsdp2lab.runtime.torch_compat import all_gather_single, reduce_scatter_single
 
 
@@ -35,9 +39,11 @@ def _ms(fn, iters: int) -> float:
 
 
 def _time_collectives(numel: int, group: dist.ProcessGroup, iters: int) -> list[float]:
-    """ms per call: all-reduce, gloo's and the ring's all-gather, gloo's and the ring's
-    reduce-scatter; then the overlapped reduce-scatter's exposed ms."""
+    """ms per call: all-reduce, gloo's, the ring's and shm's all-gather, gloo's, the ring's and
+    shm's reduce-scatter; then the overlapped reduce-scatter's exposed ms."""
     world = group.size()
+    arena = ShmArena(group)
+    assert arena.reserve(numel * 4), "no shared memory here"
     full, shard = torch.randn(numel), torch.randn(numel // world)
     scratch = torch.randn(numel)  # gloo's calls may overwrite their input: this one
     gathered, reduced = torch.empty(numel), torch.empty(numel // world)
@@ -45,8 +51,10 @@ def _time_collectives(numel: int, group: dist.ProcessGroup, iters: int) -> list[
         _ms(lambda: dist.all_reduce(scratch), iters),
         _ms(lambda: all_gather_single(gathered, shard), iters),
         _ms(lambda: ring_all_gather(gathered, shard, group), iters),
+        _ms(lambda: shm_all_gather(arena, gathered, shard), iters),
         _ms(lambda: reduce_scatter_single(reduced, scratch), iters),
         _ms(lambda: ring_reduce_scatter(reduced, full, group), iters),
+        _ms(lambda: shm_reduce_scatter(arena, reduced, full), iters),
         _ms(lambda: _overlapped(reduced, full, group), iters) - _ms(_compute, iters),
     ]
 
@@ -86,12 +94,13 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(f"{world} ranks; ms per call (median of {args.iters})")
         print(f"{'elements':>10s} {'all-reduce':>10s} {'AG gloo':>8s} {'AG ring':>8s} "
-              f"{'RS gloo':>8s} {'RS ring':>8s} {'RS overlapped, exposed':>23s}")  # fmt: skip
+              f"{'AG shm':>8s} {'RS gloo':>8s} {'RS ring':>8s} {'RS shm':>8s} "
+              f"{'RS overlapped, exposed':>23s}")  # fmt: skip
     for numel in args.numel:
         numel -= numel % world
         ms = _time_collectives(numel, group, args.iters)
         if dist.get_rank() == 0:
-            widths = (10, 8, 8, 8, 8, 23)
+            widths = (10, 8, 8, 8, 8, 8, 8, 23)
             print(
                 f"{numel:10d} " + " ".join(f"{m:{w}.2f}" for m, w in zip(ms, widths, strict=True))
             )
@@ -100,3 +109,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    distributed.exit_process(0)

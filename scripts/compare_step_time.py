@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 
 import torch.distributed as dist
@@ -31,6 +30,15 @@ VARIANTS = {
     "fsdp2-root": ["--strategy", "fsdp2", "--fsdp-units", "root"],
     "fsdp2-auto": ["--strategy", "fsdp2", "--fsdp-units", "auto"],
     "fsdp2-auto-builtin": ["--strategy", "fsdp2", "--gloo-collectives", "builtin"],
+    "fsdp2-auto-ring": ["--strategy", "fsdp2", "--gloo-collectives", "ring"],
+    "fsdp2-layer-ring": [
+        "--strategy",
+        "fsdp2",
+        "--fsdp-units",
+        "layer",
+        "--gloo-collectives",
+        "ring",
+    ],
     "fsdp2-auto-p1": ["--strategy", "fsdp2", "--fsdp-units", "auto", "--prefetch", "1"],
     "fsdp2-layer-p1": ["--strategy", "fsdp2", "--fsdp-units", "layer", "--prefetch", "1"],
     "fsdp2-auto-1m": ["--strategy", "fsdp2", "--fsdp-unit-min-params", "1000000"],
@@ -43,7 +51,11 @@ VARIANTS = {
 # ``<variant>-dtensor-step``: the variant with its optimizer stepping on the DTensors themselves
 # rather than on their local shards (``parallel/local_step.py``).
 DTENSOR_STEP = "-dtensor-step"
-DEFAULT = [n for n in VARIANTS if n not in ("fsdp2-auto-1m", "fsdp2-zero2", "fsdp2-auto-builtin")]
+DEFAULT = [
+    n
+    for n in VARIANTS
+    if n not in ("fsdp2-auto-1m", "fsdp2-zero2", "fsdp2-auto-builtin", "fsdp2-auto-ring")
+]
 REFERENCES = ("ddp", "fsdp1", "fsdp1-root")
 
 
@@ -113,4 +125,5 @@ def _print(times: dict[str, list[float]], rounds: int) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
+    distributed.exit_process(0)

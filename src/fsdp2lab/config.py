@@ -140,10 +140,11 @@ class TrainConfig:
         "(default: 4,000,000 on CPU/gloo, 1,000,000 on GPU)",
     )
     gloo_collectives: str = _opt(
-        "ring",
-        "FSDP2 on CPU/gloo: ring (all-gather and reduce-scatter as point-to-point rings) | "
-        "builtin (gloo's own; its reduce-scatter all-reduces the whole input)",
-        choices=("ring", "builtin"),
+        "shm",
+        "FSDP2 on CPU/gloo: shm (all-gather and reduce-scatter through shared memory where a "
+        "group's ranks share a host, else ring) | ring (point-to-point rings) | builtin (gloo's "
+        "own; its reduce-scatter all-reduces the whole input)",
+        choices=("shm", "ring", "builtin"),
     )
     activation_checkpointing: str = _opt(
         "none",

@@ -1,17 +1,23 @@
-"""Compare the ring collectives with gloo's own; each rank writes its checks to OUT/rank-R.json.
+"""Compare the CPU collectives FSDP2 uses (the gloo rings, the shared-memory ones) with gloo's own;
+each rank writes its checks to OUT/rank-R.json.
 
 Run under torchrun with 2 or 4 ranks; with 4 it also checks the 2-rank subgroups of a 2 x 2 mesh
-(the HSDP shard groups).
+(the HSDP shard groups). The shared-memory collectives run twice: as they are, then with rank 1's
+``/dev/shm`` unusable, where every rank of the group must fall back to the rings together.
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from fsdp2lab.parallel import shm_collectives
 from fsdp2lab.parallel.gloo_ring import RingAllGather, RingReduceScatter
+from fsdp2lab.parallel.shm_collectives import ShmAllGather, ShmReduceScatter, _Arenas
+from fsdp2lab.runtime import distributed
 from fsdp2lab.runtime.torch_compat import all_gather_single, reduce_scatter_single
 
 dist.init_process_group("gloo")
@@ -20,37 +26,65 @@ groups = [dist.group.WORLD]
 if world == 4:
     shard_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     groups.append(shard_groups[rank // 2])
-checks = {}
-for g in groups:
+SIZES = ((7, torch.float32), (1001, torch.float32), (64, torch.bfloat16), (1003, torch.float32))
+
+
+def check(name: str, all_gather, reduce_scatter, g) -> dict:
+    """Each size twice (both slots of the shared-memory arena; growing, then reusing them)."""
+    checks = {}
     n = g.size()
-    for numel, dtype in (
-        (n * 7, torch.float32),
-        (n * 1001, torch.float32),
-        (n * 64, torch.bfloat16),
-    ):
-        gen = torch.Generator().manual_seed(1000 * rank + numel)
-        full = torch.randn(numel, generator=gen).to(dtype)
-        shard = full[: numel // n].clone()
-        # all-gather: identical bytes
-        ours, theirs = torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
-        assert RingAllGather()(ours, shard, g) is None
-        all_gather_single(theirs, shard, group=g)
-        checks[f"ag n={n} numel={numel} {dtype}"] = bool(torch.equal(ours, theirs))
-        # reduce-scatter, SUM and AVG: equal up to the order of the additions
-        for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            ours, theirs = (
-                torch.empty(numel // n, dtype=dtype),
-                torch.empty(numel // n, dtype=dtype),
-            )
-            before = full.clone()
-            RingReduceScatter()(ours, full, g, op)
-            assert torch.equal(full, before), "the input was modified"
-            reduce_scatter_single(theirs, full.clone(), dist.ReduceOp.SUM, group=g)
-            if op == dist.ReduceOp.AVG:
-                theirs /= n
-            tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
-            checks[f"rs {op} n={n} numel={numel} {dtype}"] = bool(
-                torch.allclose(ours.float(), theirs.float(), atol=tol, rtol=tol)
-            )
-Path(sys.argv[1], f"rank-{rank}.json").write_text(json.dumps({"rank": rank, "checks": checks}))
+    for repeat in range(2):
+        for per_rank, dtype in SIZES:
+            numel = n * per_rank
+            gen = torch.Generator().manual_seed(1000 * rank + numel + repeat)
+            full = torch.randn(numel, generator=gen).to(dtype)
+            shard = full[: numel // n].clone()
+            key = f"{name} n={n} numel={numel} {dtype} #{repeat}"
+            # all-gather: identical bytes (also where the input is the output's own chunk, as
+            # FSDP2 passes it)
+            ours, theirs = torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
+            assert all_gather(ours, shard, g) is None
+            all_gather_single(theirs, shard, group=g)
+            checks[f"ag {key}"] = bool(torch.equal(ours, theirs))
+            inplace = torch.empty(numel, dtype=dtype)
+            own = inplace.view(n, -1)[g.rank()]
+            own.copy_(shard)
+            all_gather(inplace, own, g)
+            checks[f"ag in place {key}"] = bool(torch.equal(inplace, theirs))
+            # reduce-scatter, SUM and AVG: equal up to the order of the additions
+            for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+                ours = torch.empty(numel // n, dtype=dtype)
+                theirs = torch.empty(numel // n, dtype=dtype)
+                before = full.clone()
+                reduce_scatter(ours, full, g, op)
+                assert torch.equal(full, before), "the input was modified"
+                reduce_scatter_single(theirs, full.clone(), dist.ReduceOp.SUM, group=g)
+                if op == dist.ReduceOp.AVG:
+                    theirs /= n
+                # each of the n - 1 additions rounds once, in its own order
+                tol = n * 2**-8 if dtype == torch.bfloat16 else 1e-5
+                checks[f"rs {op} {key}"] = bool(
+                    torch.allclose(ours.float(), theirs.float(), atol=tol, rtol=tol)
+                )
+    return checks
+
+
+checks, usable = {}, {}
+for g in groups:
+    checks.update(check("ring", RingAllGather(), RingReduceScatter(), g))
+    arenas = _Arenas()
+    checks.update(check("shm", ShmAllGather(arenas), ShmReduceScatter(arenas), g))
+    usable[f"n={g.size()}"] = arenas.get(g).usable
+    # Rank 1's /dev/shm is unusable: every rank of its groups falls back to the rings.
+    if rank == 1:
+        shm_collectives.SHM_DIR = "/nonexistent-shm"
+    arenas = _Arenas()
+    checks.update(check("shm-fallback", ShmAllGather(arenas), ShmReduceScatter(arenas), g))
+    usable[f"n={g.size()} rank 1 without /dev/shm"] = arenas.get(g).usable
+    shm_collectives.SHM_DIR = "/dev/shm"
+dist.barrier()
+left = [f for f in os.listdir("/dev/shm") if f.startswith("fsdp2lab-")]
+report = {"rank": rank, "checks": checks, "usable": usable, "left_in_dev_shm": left}
+Path(sys.argv[1], f"rank-{rank}.json").write_text(json.dumps(report))
 dist.destroy_process_group()
+distributed.exit_process(0)

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import (
 
 from fsdp2lab.parallel.gloo_ring import use_ring_collectives
 from fsdp2lab.parallel.precision import DTYPES
+from fsdp2lab.parallel.shm_collectives import use_shm_collectives
 from fsdp2lab.runtime.torch_compat import set_unshard_async_op
 
 
@@ -47,7 +48,7 @@ def apply_fsdp(
     device: torch.device | None = None,
     unit_policy: str = "auto",
     unit_min_params: int | None = None,
-    gloo_collectives: str = "ring",
+    gloo_collectives: str = "shm",
 ) -> nn.Module:
     """Shard the units (grouped by ``unit_policy``), then the root, which takes the parameters
     no unit holds. The root and the last unit keep their parameters gathered from forward to
@@ -55,8 +56,9 @@ def apply_fsdp(
 
     ``prefetch`` > 0 sets explicit prefetching: each unit's forward all-gathers the next
     ``prefetch`` units, and its backward the previous ones (on CPU, asynchronously, so that they
-    overlap compute). On CPU, ``gloo_collectives="ring"`` replaces gloo's all-gather and
-    reduce-scatter with the rings of :mod:`fsdp2lab.parallel.gloo_ring`.
+    overlap compute). On CPU, ``gloo_collectives`` replaces gloo's all-gather and reduce-scatter:
+    ``"shm"`` with :mod:`fsdp2lab.parallel.shm_collectives` (ranks on one host; the rings
+    elsewhere), ``"ring"`` with the rings of :mod:`fsdp2lab.parallel.gloo_ring`.
     """
     kwargs = dict(
         mesh=dp_mesh,
@@ -81,7 +83,9 @@ def apply_fsdp(
     )
     if dp_mesh.device_type == "cpu":
         reduce_with_sum(model)
-        if gloo_collectives == "ring":
+        if gloo_collectives == "shm":
+            use_shm_collectives(model)
+        elif gloo_collectives == "ring":
             use_ring_collectives(model)
     if prefetch > 0:
         set_prefetch([g[0] for g in groups], prefetch)

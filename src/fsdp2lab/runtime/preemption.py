@@ -2,8 +2,12 @@
 
 The signal handler only sets a flag. After each step every rank contributes its flag to an
 all-reduce (MAX), since a signal reaches the ranks at slightly different times; so all ranks stop
-after the same step. At an epoch's (or the run's) last step the check waits for ``after_epoch``,
-once the epoch's evaluation and checkpoint are done; a run that is finishing anyway finishes.
+after the same step. That all-reduce runs in the background, on a gloo group of its own, while the
+next step computes, and its verdict is read after that step: a signal stops training one step
+later than a blocking check would, and no step waits for it (a blocking check is one more point
+per step where every rank waits for the slowest). At an epoch's (or the run's) last step the
+check waits for ``after_epoch``, once the epoch's evaluation and checkpoint are done, and blocks;
+a run that is finishing anyway finishes.
 
 On a stop: the checkpoint manager saves this step (``--ckpt-dir``), and under Slurm rank 0 runs
 ``scontrol requeue $SLURM_JOB_ID``; the requeued job resumes with ``--resume auto``. SIGUSR1 (what
@@ -83,10 +87,10 @@ class Preemption(Hooks):
         self.received = 0  # the first signal number received, 0 for none
         self.stopped = False
         self.delay = faults.step_delay()  # testing aid: time to signal mid-run
-        # The flag travels on a CPU group: no GPU synchronisation each step.
-        self.group = None
-        if runtime.world_size > 1 and dist.get_backend() != "gloo":
-            self.group = dist.new_group(backend="gloo")
+        # The flag travels on a CPU group of its own: no GPU synchronisation, and the background
+        # all-reduce never queues behind (or ahead of) the training's collectives.
+        self.group = dist.new_group(backend="gloo") if runtime.world_size > 1 else None
+        self.pending: tuple[dist.Work, torch.Tensor] | None = None  # the background all-reduce
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
                 signal.signal(sig, self._on_signal)
@@ -102,24 +106,38 @@ class Preemption(Hooks):
         st = trainer.state
         epoch_ends = st.epoch_samples + trainer.global_batch > len(trainer.train_set)
         if not (epoch_ends or _training_ends(trainer)):  # else after_epoch checks
-            self._check(trainer)
+            signum = self._agreed(wait=False)
+            if signum:
+                self._stop(trainer, signum)
 
     def after_epoch(self, trainer: Trainer) -> None:
         if not _training_ends(trainer):
-            self._check(trainer)
+            signum = self._agreed(wait=True)
+            if signum:
+                self._stop(trainer, signum)
 
     # ------------------------------------------------------------------ stop
-    def _agreed_signal(self) -> int:
-        """The largest signal number any rank received (a collective on every rank)."""
-        flag = torch.tensor([self.received], dtype=torch.int64)
-        if self.runtime.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return int(flag.item())
-
-    def _check(self, trainer: Trainer) -> None:
-        signum = self._agreed_signal()
+    def _agreed(self, wait: bool) -> int:
+        """The largest signal number any rank had received by the previous check, then this
+        check's flags sent in the background; with ``wait``, this check's own verdict (blocking).
+        A collective on every rank, in the same order."""
+        if self.runtime.world_size == 1:
+            return self.received
+        signum = 0
+        if self.pending is not None:
+            work, flag = self.pending
+            work.wait()
+            signum = int(flag.item())
+            self.pending = None
         if signum:
-            self._stop(trainer, signum)
+            return signum
+        flag = torch.tensor([self.received], dtype=torch.int64)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        if wait:
+            work.wait()
+            return int(flag.item())
+        self.pending = (work, flag)
+        return 0
 
     def _stop(self, trainer: Trainer, signum: int) -> None:
         rt, step = self.runtime, trainer.state.step

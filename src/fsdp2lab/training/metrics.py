@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp2lab.parallel.strategies import label
+from fsdp2lab.runtime.torch_compat import all_gather_single
 
 if TYPE_CHECKING:
     from fsdp2lab.training.trainer import Trainer
@@ -70,13 +70,24 @@ class MemoryMeter:
         return {**stats, **state_bytes(model, optimizer)}
 
 
-def per_rank(mine: dict, world_size: int) -> dict[str, list]:
-    """Every rank's ``mine``, gathered (a collective: all ranks call it), as key -> list by rank."""
-    gathered: list = [mine]
-    if world_size > 1:
-        gathered = [None] * world_size
-        dist.all_gather_object(gathered, mine)
-    return {key: [g[key] for g in gathered] for key in mine}
+def per_rank(
+    mine: dict[str, int | float], world_size: int, device: torch.device
+) -> dict[str, list]:
+    """Every rank's numbers ``mine`` (the same keys on every rank) as key -> list by rank.
+
+    A collective that all ranks call: one all-gather of a float64 row per rank (byte counts below
+    2**53 and float32 values are exact in it), where pickled objects would take two.
+    """
+    if world_size == 1:
+        return {key: [value] for key, value in mine.items()}
+    row = torch.tensor([float(v) for v in mine.values()], dtype=torch.float64, device=device)
+    rows = torch.empty(world_size * len(mine), dtype=torch.float64, device=device)
+    all_gather_single(rows, row)
+    columns = rows.view(world_size, len(mine)).t().tolist()
+    return {
+        key: [int(v) for v in column] if isinstance(mine[key], int) else column
+        for key, column in zip(mine, columns, strict=True)
+    }
 
 
 class Throughput:
@@ -101,7 +112,7 @@ class Throughput:
 
 def summarize(t: Trainer) -> dict:
     """The run's summary record; a collective (every rank's memory is gathered)."""
-    memory = per_rank(t.memory.measure(t.model, t.optimizer), t.runtime.world_size)
+    memory = per_rank(t.memory.measure(t.model, t.optimizer), t.runtime.world_size, t.device)
     parts = zip(
         memory["param_bytes"], memory["grad_bytes"], memory["optimizer_state_bytes"], strict=True
     )

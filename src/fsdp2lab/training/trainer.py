@@ -295,12 +295,10 @@ class Trainer:
 
     def _log_step(self, loss: torch.Tensor) -> None:
         """The step record: mean loss, grad norm, lr, throughput since the last one, and every
-        rank's memory (gathered)."""
-        (mean_loss,) = self._all_reduce_sum([float(loss)])
-        mean_loss /= self.runtime.world_size
-        memory = m.per_rank(
-            self.memory.measure(self.model, self.optimizer), self.runtime.world_size
-        )
+        rank's memory (gathered with the losses, in one collective)."""
+        mine = {"loss": float(loss), **self.memory.measure(self.model, self.optimizer)}
+        memory = m.per_rank(mine, self.runtime.world_size, self.device)
+        mean_loss = sum(memory.pop("loss")) / self.runtime.world_size
         self.last_step_record = self.metrics.write(
             "step",
             step=self.state.step,
