@@ -20,6 +20,12 @@ from fsdp2lab.parallel.shm_collectives import ShmAllGather, ShmReduceScatter, _A
 from fsdp2lab.runtime import distributed
 from fsdp2lab.runtime.torch_compat import all_gather_single, reduce_scatter_single
 
+
+def ours_in_dev_shm() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith("fsdp2lab-")}
+
+
+before = ours_in_dev_shm()  # another job's, or a killed run's: not this run's to answer for
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 groups = [dist.group.WORLD]
@@ -83,7 +89,7 @@ for g in groups:
     usable[f"n={g.size()} rank 1 without /dev/shm"] = arenas.get(g).usable
     shm_collectives.SHM_DIR = "/dev/shm"
 dist.barrier()
-left = [f for f in os.listdir("/dev/shm") if f.startswith("fsdp2lab-")]
+left = sorted(ours_in_dev_shm() - before)
 report = {"rank": rank, "checks": checks, "usable": usable, "left_in_dev_shm": left}
 Path(sys.argv[1], f"rank-{rank}.json").write_text(json.dumps(report))
 dist.destroy_process_group()
