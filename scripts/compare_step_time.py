@@ -15,6 +15,7 @@ import argparse
 import statistics
 import time
 
+import torch
 import torch.distributed as dist
 
 from fsdp2lab.config import add_train_arguments, config_from_args
@@ -68,6 +69,13 @@ def main() -> None:
         default=",".join(DEFAULT),
         help=f"of {', '.join(VARIANTS)}, each also with the suffix {DTENSOR_STEP}",
     )
+    parser.add_argument(
+        "--top-ops",
+        type=int,
+        default=0,
+        metavar="K",
+        help="then profile --steps steps of each variant; rank 0 prints the K ops of most self CPU",
+    )
     parser.add_argument("train_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     train_args = [a for a in args.train_args if a != "--"]
@@ -101,6 +109,15 @@ def main() -> None:
                 times[name].append((time.perf_counter() - t0) / args.steps)
         if runtime.is_main:
             _print(times, args.rounds)
+        for name in names if args.top_ops else []:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                for _ in range(args.steps):
+                    trainers[name].train_step(batches[name])
+            if runtime.is_main:
+                table = prof.key_averages().table(
+                    sort_by="self_cpu_time_total", row_limit=args.top_ops
+                )
+                print(f"\n{name}, {args.steps} steps:\n{table}", flush=True)
     finally:
         distributed.destroy()
 

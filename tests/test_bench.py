@@ -52,6 +52,7 @@ PLOTS = [
 ]
 
 
+@pytest.mark.slow  # five launches: a minute
 def test_tiny_sweep_writes_the_csv_every_plot_and_records_a_failed_run(tmp_path):
     (tmp_path / "sweep.toml").write_text(TINY_SWEEP)
     proc = run_cli(["bench", "--sweep", "sweep.toml", "--out", "res"], cwd=tmp_path)

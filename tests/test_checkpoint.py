@@ -215,8 +215,10 @@ def test_a_bad_checkpoint_stops_every_rank_with_one_message(reference, tmp_path)
 
 
 @pytest.mark.compat
+@pytest.mark.slow  # four launches; tests/test_resume_matrix.py checks more of it, more strictly
 def test_resume_at_other_world_sizes_meshes_and_strategies(tmp_path):
-    """FSDP2 on 4 ranks -> FSDP2 on 2 -> one process, and 4 -> HSDP 2x2 (dropout 0)."""
+    """FSDP2 on 4 ranks -> FSDP2 on 2 -> one process, and 4 -> HSDP 2x2 (dropout 0), through
+    the CLI, with what it says about the saved layout and the dropout RNG."""
     mlp = ["--model", "mlp", "--dataset", "synthetic", "--synthetic-size", "1024"]
     common = [*mlp, "--dropout", "0", "--progress", "off", *EVERY_STEP, "--max-steps", "12"]
     common += ["--global-batch-size", "64"]

@@ -20,7 +20,7 @@ from fsdp2lab.models.materialize import build_on_meta
 from fsdp2lab.parallel import fsdp1
 from fsdp2lab.parallel.fsdp2 import default_unit_min_params, unit_groups
 
-STEPS = 50
+STEPS = 25
 PARITY = [*TINY, "--synthetic-size", "512", "--global-batch-size", "16"]
 PARITY += [
     "--max-steps",

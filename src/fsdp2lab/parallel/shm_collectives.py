@@ -2,11 +2,18 @@
 
 gloo moves every byte through the loopback TCP stack: a copy into the kernel and one out, on the
 same two cores that compute. Ranks on one host can instead read each other's buffers: each rank
-of a process group maps every rank's slot in ``/dev/shm``, writes its input to its own slot, waits
-at one gloo barrier (a few bytes: the synchronisation, and the memory ordering that comes with
-it), then reads what it needs from the others' slots. Two slots per rank, used alternately, let
-one barrier per collective suffice: a rank writes a slot again only two collectives later, after
-every rank has passed the barrier in between, so after every rank has read it.
+of a process group maps every rank's slots in ``/dev/shm``, writes its input to a slot of its own,
+waits at a gloo barrier (a few bytes: the synchronisation, and the memory ordering that comes with
+it), then reads what it needs from the others' slots.
+
+On 2 cores the barriers, not the bytes, are the cost: each waits until every rank has been
+scheduled. So an all-gather only publishes its input, and reads at the group's next barrier,
+which its work's ``wait`` passes if no later collective has. In backward FSDP2 issues the next
+unit's all-gather (its prefetch) before this unit's reduce-scatter, whose barrier serves both.
+A rank writes a slot again only once every rank has read it: the slot was read before the
+latest barrier. Four slots per rank cover the steady state without extra barriers. All of this
+rests on every rank of a group calling its collectives, and waiting for them, in the same
+order, which FSDP2 does.
 
 Where the ranks of a group cannot map each other's slots (another host, a ``/dev/shm`` too small
 for a unit: the space is reserved with ``posix_fallocate``, so a full ``/dev/shm`` is an error
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -39,11 +47,13 @@ _ALIGN = 1 << 16  # slot sizes grow in 64 KiB steps, to the largest unit
 
 
 class ShmArena:
-    """Two slots per rank of ``group``, mapped by every rank of it, grown on demand.
+    """``SLOTS`` slots per rank of ``group``, mapped by every rank of it, grown on demand.
 
     Every rank calls the same collectives in the same order (as for any process group), so every
-    rank grows its slots, and falls back, at the same call.
+    rank grows its slots, falls back, picks a slot and passes a barrier at the same call.
     """
+
+    SLOTS = 4  # enough for a step's steady state: an all-gather and a reduce-scatter per barrier
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
@@ -53,21 +63,27 @@ class ShmArena:
         self.token: str = token[0]
         self.capacity = 0  # bytes per slot
         self.generation = 0
-        self.slots: list[list[torch.Tensor]] = []  # [parity][rank], uint8
-        self.calls = 0
+        self.slots: list[list[torch.Tensor]] = []  # [slot][rank], uint8
         self.usable = True
+        self.barriers = 0
+        self.read_at = [-1] * self.SLOTS  # the barrier count when each slot was last read
+        self.calls = 0
+        self.pending: dict[int, tuple[int, Callable[[], None]]] = {}  # call: (slot, read)
 
     def _path(self, rank: int) -> str:
         return os.path.join(SHM_DIR, f"fsdp2lab-{self.token}-{self.generation}-{rank}")
 
     def _agree(self, ok: bool) -> bool:
-        """True if ``ok`` on every rank of the group (also a barrier)."""
+        """True if ``ok`` on every rank of the group."""
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(flag.item())
 
     def reserve(self, nbytes: int) -> bool:
-        """Slots of at least ``nbytes``; False (on every rank, for good) where they cannot be."""
+        """Slots of at least ``nbytes``; False (on every rank, for good) where they cannot be.
+
+        Collectives still pending keep the old slots mapped until they are read.
+        """
         if not self.usable:
             return False
         if nbytes <= self.capacity:
@@ -78,7 +94,7 @@ class ShmArena:
         try:
             fd = os.open(mine, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
-                os.posix_fallocate(fd, 0, 2 * capacity)
+                os.posix_fallocate(fd, 0, self.SLOTS * capacity)
             finally:
                 os.close(fd)
         except OSError as e:
@@ -88,7 +104,7 @@ class ShmArena:
             try:
                 maps = [
                     torch.from_file(
-                        self._path(r), shared=True, size=2 * capacity, dtype=torch.uint8
+                        self._path(r), shared=True, size=self.SLOTS * capacity, dtype=torch.uint8
                     )
                     for r in range(self.size)
                 ]
@@ -98,6 +114,7 @@ class ShmArena:
         if os.path.exists(mine):
             os.unlink(mine)
         if not ok:
+            self.sync()  # what is pending was published in the old slots, which still work
             self.usable = False
             self.slots = []
             if why:
@@ -108,43 +125,101 @@ class ShmArena:
                 )
             return False
         self.capacity = capacity
-        self.slots = [[m[p * capacity : (p + 1) * capacity] for m in maps] for p in range(2)]
+        self.slots = [
+            [m[s * capacity : (s + 1) * capacity] for m in maps] for s in range(self.SLOTS)
+        ]
+        self.read_at = [-1] * self.SLOTS
+        self.pending = {call: (-1, read) for call, (_, read) in self.pending.items()}
         return True
 
-    def publish(self, data: torch.Tensor) -> list[torch.Tensor]:
-        """Write ``data`` (contiguous) to this rank's next slot, wait for every rank to have
-        written its own, and return every rank's slot viewed like ``data`` (flat)."""
-        nbytes = data.numel() * data.element_size()
-        parity = self.calls % 2
-        self.calls += 1
-        slots = [s[:nbytes].view(data.dtype) for s in self.slots[parity]]
-        slots[self.rank].copy_(data.reshape(-1))
+    def _free_slot(self) -> int:
+        """A slot no collective is pending in, and that every rank has read since it was last
+        written: read before the latest barrier."""
+        while True:
+            busy = {slot for slot, _ in self.pending.values()}
+            for s in range(self.SLOTS):
+                if s not in busy and self.read_at[s] < self.barriers:
+                    return s
+            if self.pending:
+                self.sync()
+            else:
+                self._barrier()
+
+    def _barrier(self) -> None:
         dist.barrier(group=self.group)
-        return slots
+        self.barriers += 1
+
+    def publish(self, data: torch.Tensor, read: Callable[[list[torch.Tensor]], None]) -> int:
+        """Write ``data`` (contiguous) to a slot of this rank; once every rank has written its
+        own (at the next :meth:`sync`), ``read`` gets every rank's slot viewed like ``data``
+        (flat). Returns the call's number, for :meth:`done`."""
+        s = self._free_slot()
+        slots = [m[: _bytes(data)].view(data.dtype) for m in self.slots[s]]
+        slots[self.rank].copy_(data.reshape(-1))
+        self.calls += 1
+        self.pending[self.calls] = (s, lambda: read(slots))
+        return self.calls
+
+    def sync(self) -> None:
+        """One barrier, after which every pending collective reads its slots."""
+        self._barrier()
+        for s, read in self.pending.values():
+            read()
+            if s >= 0:
+                self.read_at[s] = self.barriers
+        self.pending.clear()
+
+    def done(self, call: int) -> bool:
+        return call not in self.pending
 
 
 def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def shm_all_gather(arena: ShmArena, output: torch.Tensor, input: torch.Tensor) -> None:
-    """``output`` = the ranks' ``input`` tensors, concatenated in rank order."""
-    slots = arena.publish(input)
-    chunks = output.view(arena.size, -1)
-    for r, slot in enumerate(slots):
-        if r != arena.rank or chunks[r].data_ptr() != input.data_ptr():
-            chunks[r].copy_(slot.view_as(chunks[r]))
+def shm_all_gather(arena: ShmArena, output: torch.Tensor, input: torch.Tensor) -> int:
+    """``output`` = the ranks' ``input`` tensors, concatenated in rank order, once the returned
+    call is done (at the group's next barrier)."""
+
+    def read(slots: list[torch.Tensor]) -> None:
+        chunks = output.view(arena.size, -1)
+        for r, slot in enumerate(slots):
+            if r != arena.rank or chunks[r].data_ptr() != input.data_ptr():
+                chunks[r].copy_(slot.view_as(chunks[r]))
+
+    return arena.publish(input, read)
 
 
 def shm_reduce_scatter(arena: ShmArena, output: torch.Tensor, input: torch.Tensor) -> None:
     """``output`` = the sum over ranks (in rank order) of chunk ``rank`` of ``input``."""
-    slots = arena.publish(input)
     n = output.numel()
-    out = output.view(-1)
     lo = arena.rank * n
-    torch.add(slots[0][lo : lo + n], slots[1][lo : lo + n], out=out)
-    for slot in slots[2:]:
-        out.add_(slot[lo : lo + n])
+
+    def read(slots: list[torch.Tensor]) -> None:
+        out = output.view(-1)
+        torch.add(slots[0][lo : lo + n], slots[1][lo : lo + n], out=out)
+        for slot in slots[2:]:
+            out.add_(slot[lo : lo + n])
+
+    arena.publish(input, read)
+    arena.sync()
+
+
+class ShmWork(dist.Work):
+    """An all-gather published to the slots; :meth:`wait` passes the barrier if no later
+    collective of the group has yet."""
+
+    def __init__(self, arena: ShmArena, call: int):
+        super().__init__()
+        self.arena, self.call = arena, call
+
+    def is_completed(self) -> bool:
+        return self.arena.done(self.call)
+
+    def wait(self, timeout=None) -> bool:
+        if not self.arena.done(self.call):
+            self.arena.sync()
+        return True
 
 
 class _Arenas:
@@ -163,8 +238,10 @@ class _Arenas:
 class ShmAllGather(RingAllGather):
     """FSDP2's all-gather through shared memory; the ring where the group cannot share it.
 
-    An asynchronous request (explicit prefetch) runs at once and returns no work, which FSDP2
-    treats as done: there is no transfer left to overlap.
+    Every all-gather returns work, asynchronous or not: FSDP2 waits for it before it reads the
+    output, so the barrier can wait until then, or until a later collective of the group passes
+    one. A prefetched all-gather thus shares the barrier of the reduce-scatter issued before
+    the unit runs (an all-gather per block in backward) instead of passing its own.
     """
 
     def __init__(self, arenas: _Arenas):
@@ -173,9 +250,8 @@ class ShmAllGather(RingAllGather):
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         arena = self.arenas.get(group)
         if arena.reserve(_bytes(input_tensor)):
-            shm_all_gather(arena, output_tensor, input_tensor)
-        else:
-            ring_all_gather(output_tensor, input_tensor, group)
+            return ShmWork(arena, shm_all_gather(arena, output_tensor, input_tensor))
+        ring_all_gather(output_tensor, input_tensor, group)
         return None
 
 

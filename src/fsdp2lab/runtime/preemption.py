@@ -106,15 +106,11 @@ class Preemption(Hooks):
         st = trainer.state
         epoch_ends = st.epoch_samples + trainer.global_batch > len(trainer.train_set)
         if not (epoch_ends or _training_ends(trainer)):  # else after_epoch checks
-            signum = self._agreed(wait=False)
-            if signum:
-                self._stop(trainer, signum)
+            self._stop_if(trainer, self._agreed(wait=False))
 
     def after_epoch(self, trainer: Trainer) -> None:
         if not _training_ends(trainer):
-            signum = self._agreed(wait=True)
-            if signum:
-                self._stop(trainer, signum)
+            self._stop_if(trainer, self._agreed(wait=True))
 
     # ------------------------------------------------------------------ stop
     def _agreed(self, wait: bool) -> int:
@@ -139,7 +135,10 @@ class Preemption(Hooks):
         self.pending = (work, flag)
         return 0
 
-    def _stop(self, trainer: Trainer, signum: int) -> None:
+    def _stop_if(self, trainer: Trainer, signum: int) -> None:
+        """Save, requeue where asked, and end training, if ``signum`` is a signal (not 0)."""
+        if not signum:
+            return
         rt, step = self.runtime, trainer.state.step
         name = signal.Signals(signum).name
         self.stopped = True
