@@ -148,6 +148,7 @@ def _train_until_signalled(tmp_path: Path, signum: int, *args: str) -> tuple[Run
     return Run(proc.returncode, out, err, read_metrics(metrics)), sent_after
 
 
+@pytest.mark.drills  # a real SIGTERM to a 4-rank run, then its resume
 def test_sigterm_without_slurm_checkpoints_exits_cleanly_and_resumes_exactly(reference, tmp_path):
     four_ranks = [*HSDP_2X2, "--nproc-per-node", "4", "--ckpt-dir", "ckpt"]
     stopped, sent_after = _train_until_signalled(tmp_path, signal.SIGTERM, *four_ranks)

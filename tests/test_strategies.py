@@ -124,6 +124,7 @@ def test_every_strategy_matches_one_process_at_every_step(parity, model):
 
 
 @pytest.mark.compat
+@pytest.mark.slow  # five launches; the resume matrix moves FSDP1 checkpoints to FSDP2 as well
 def test_checkpoints_move_between_fsdp1_fsdp2_ddp_and_single(tmp_path):
     """The migration path: a DCP checkpoint of any strategy resumes under any other, exactly."""
     common = ["--model", "mlp", *TINY, "--max-steps", "12", "--log-every-steps", "1"]
