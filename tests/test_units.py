@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from fsdp2lab.config import TrainConfig, add_train_arguments, config_from_args
-from fsdp2lab.data.loader import batch_sizes
 from fsdp2lab.data.sampler import DistributedBatchSampler, eval_shards
 from fsdp2lab.errors import UsageError
 from fsdp2lab.models import MODELS
 from fsdp2lab.models.materialize import build_on_meta, init_weights
+from fsdp2lab.plan import batch_sizes
 from fsdp2lab.runtime.launch_env import detect, expand_nodelist
 from fsdp2lab.runtime.mesh import ParallelDims
 

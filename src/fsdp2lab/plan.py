@@ -16,7 +16,6 @@ import torch
 import torch.nn as nn
 
 from fsdp2lab.config import TrainConfig
-from fsdp2lab.data.loader import batch_sizes
 from fsdp2lab.errors import UsageError
 from fsdp2lab.models import get_spec
 from fsdp2lab.models.materialize import build_on_meta
@@ -194,3 +193,23 @@ def _check_names(model: nn.Module, names: tuple[str, ...], what: str) -> None:
             model.get_submodule(name)
         except AttributeError:
             raise UsageError(f"{what} {name!r} is not a module of the model") from None
+
+
+def batch_sizes(cfg: TrainConfig, dp: int) -> tuple[int, int]:
+    """(global batch per optimizer step, per-rank micro-batch) from --global-batch-size / --batch-size."""
+    k = cfg.grad_accum_steps
+    given_both = cfg.global_batch_size is not None and cfg.batch_size is not None
+    if given_both and cfg.global_batch_size != cfg.batch_size * dp * k:
+        raise UsageError(
+            f"--global-batch-size {cfg.global_batch_size} disagrees with --batch-size {cfg.batch_size} x "
+            f"data-parallel ranks {dp} x grad-accum-steps {k} = {cfg.batch_size * dp * k}; give one of them"
+        )
+    if cfg.batch_size is not None:
+        return cfg.batch_size * dp * k, cfg.batch_size
+    global_batch = cfg.global_batch_size or 64
+    if global_batch % (dp * k):
+        raise UsageError(
+            f"--global-batch-size {global_batch} is not divisible by data-parallel ranks {dp} x "
+            f"grad-accum-steps {k} = {dp * k}"
+        )
+    return global_batch, global_batch // (dp * k)

@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.errors import UsageError
@@ -163,10 +162,14 @@ class Pipeline:
         self.n_microbatches = n_microbatches
         self.schedule_name = schedule
         self._loss_fn: Callable | None = None
-        self._schedules: dict[tuple, tuple[object, PipelineStage]] = {}
+        self._schedules: dict[tuple, tuple[object, object]] = {}  # (schedule, stage)
 
     def _schedule(self, shape: torch.Size, train: bool):
         """The schedule for batches of ``shape`` and its stage."""
+        # Imported here, not at the top: it costs every launcher and every rank without --pp
+        # most of a second (it brings in torch._dynamo).
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
         key = (tuple(shape), train)
         if key not in self._schedules:
             stage = fix_stage_handshake(
