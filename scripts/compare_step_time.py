@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp2lab.config import add_train_arguments, config_from_args
+from fsdp2lab.parallel import shm_collectives
 from fsdp2lab.runtime import distributed, launch_env
 from fsdp2lab.training.optim import build_optimizer
 from fsdp2lab.training.trainer import Trainer
@@ -52,6 +53,9 @@ VARIANTS = {
 # ``<variant>-dtensor-step``: the variant with its optimizer stepping on the DTensors themselves
 # rather than on their local shards (``parallel/local_step.py``).
 DTENSOR_STEP = "-dtensor-step"
+# ``<variant>-gloo-barrier``: its shared-memory collectives pass gloo's barrier rather than
+# their own (``shm_collectives.ShmBarrier``); may follow ``-dtensor-step``.
+GLOO_BARRIER = "-gloo-barrier"
 DEFAULT = [
     n
     for n in VARIANTS
@@ -67,7 +71,7 @@ def main() -> None:
     parser.add_argument(
         "--variants",
         default=",".join(DEFAULT),
-        help=f"of {', '.join(VARIANTS)}, each also with the suffix {DTENSOR_STEP}",
+        help=f"of {', '.join(VARIANTS)}, each also with {DTENSOR_STEP} and/or {GLOO_BARRIER}",
     )
     parser.add_argument(
         "--top-ops",
@@ -83,21 +87,26 @@ def main() -> None:
     runtime = distributed.init(launch_env.detect(), "auto")
     try:
         trainers, batches = {}, {}
+        native_barrier = shm_collectives.SHM_BARRIER
         for name in names:
             flags = argparse.ArgumentParser()
             add_train_arguments(flags)
-            variant = VARIANTS[name.removesuffix(DTENSOR_STEP)]
+            stem = name.removesuffix(GLOO_BARRIER)
+            variant = VARIANTS[stem.removesuffix(DTENSOR_STEP)]
             cfg = config_from_args(
                 flags.parse_args([*train_args, *variant, "--log-every-steps", "1000000"])
             )
+            # An arena picks its barrier when it first maps its slots: in the warm-up.
+            shm_collectives.SHM_BARRIER = native_barrier and stem == name
             trainers[name] = Trainer(cfg, runtime)
-            if name.endswith(DTENSOR_STEP):
+            if stem.endswith(DTENSOR_STEP):
                 trainers[name].optimizer = build_optimizer(
                     trainers[name].model.parameters(), trainers[name].cfg, local_step=False
                 )
             batches[name] = _batches(trainers[name])
             for _ in range(3):  # warm-up: lazy init, allocations
                 trainers[name].train_step(batches[name])
+            shm_collectives.SHM_BARRIER = native_barrier
         times: dict[str, list[float]] = {n: [] for n in names}
         for r in range(args.rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:

@@ -192,6 +192,29 @@ def test_plan_flags_override_the_file_and_leave_out_what_cannot_run(capsys, tmp_
     ]
 
 
+def test_flags_also_replace_a_models_own_axes(capsys, tmp_path):
+    sweep = (
+        '[sweep]\nstrategies = ["ddp"]\nmodels = ["cnn", "own"]\n'
+        '[models.own]\nmodel = "mlp"\nstrategies = ["compute-only", "fsdp2"]\n'
+        "world_sizes = [2]\nrepeat = 1\n"
+    )
+    code, output = _bench(capsys, tmp_path, sweep, "--world-sizes", "4")
+    assert code == 0, output
+    runs = [line.strip() for line in output.splitlines() if line.startswith("  ")]
+    assert runs == ["cnn-ddp-ws4-fp32", "own-compute-only-ws4-fp32", "own-fsdp2-ws4-fp32"]
+    code, output = _bench(capsys, tmp_path, sweep, "--strategies", "ddp", "--repeat", "2")
+    assert code == 0, output
+    runs = [line.strip() for line in output.splitlines() if line.startswith("  ")]
+    assert runs == [
+        "cnn-ddp-ws1-fp32-r1",
+        "cnn-ddp-ws2-fp32-r1",
+        "own-ddp-ws2-fp32-r1",
+        "cnn-ddp-ws1-fp32-r2",
+        "cnn-ddp-ws2-fp32-r2",
+        "own-ddp-ws2-fp32-r2",
+    ]
+
+
 def test_srun_launch_inside_an_allocation(monkeypatch, tmp_path):
     run = RunSpec("gpt-fsdp2-ws4-fp32", "fsdp2", 4, "gpt", "fp32", "true", 1, {})
     cmd = runner.command(run, tmp_path, "srun", "--gpus-per-task=1")

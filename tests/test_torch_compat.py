@@ -28,6 +28,7 @@ from fsdp2lab.runtime.torch_compat import (
     cuda_memory_history,
     fix_stage_handshake,
     flatten_mesh,
+    group_timeout_s,
     notice,
     pipeline_step,
     process_groups,
@@ -325,6 +326,10 @@ def test_group_timeout_public_then_private_then_a_notice(mesh, monkeypatch, caps
     assert set_group_timeout(dist.group.WORLD, timeout) is False
     assert set_group_timeout(dist.group.WORLD, timeout) is False
     assert _lines(capsys.readouterr().out, "cannot change a process group's timeout") == 1
+    # read back where this torch exposes it (the shared-memory barrier's deadline)
+    exposed = hasattr(dist.group.WORLD._get_backend(torch.device("cpu")), "options")
+    assert group_timeout_s(dist.group.WORLD) == (77.0 if exposed else None)
+    assert group_timeout_s(object()) is None
 
 
 def test_process_groups_listed_else_the_default_one_with_a_notice(mesh, monkeypatch, capsys):

@@ -186,3 +186,19 @@ def test_meta_init_is_deterministic_and_matches_eager_shapes(name):
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(a[k], c[k]) for k in a)
     assert all(torch.isfinite(v).all() for v in a.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_nan_guard_finds_every_non_finite_value_anywhere(dtype):
+    from fsdp2lab.training.nan_guard import _nonfinite
+
+    cpu = torch.device("cpu")
+    finite = [torch.randn(7, 5).to(dtype), torch.randn(()).to(dtype), torch.empty(0), None]
+    assert float(_nonfinite(finite, cpu)) == 0.0
+    assert float(_nonfinite([], cpu)) == 0.0
+    for value in (float("nan"), float("inf"), float("-inf")):
+        for place in (0, 17, 34):
+            bad = torch.randn(35).to(dtype)
+            bad[place] = value
+            assert float(_nonfinite([*finite, bad], cpu)) == 1.0, (value, place)
+        assert float(_nonfinite([torch.tensor(value, dtype=dtype)], cpu)) == 1.0

@@ -109,12 +109,45 @@ def check_deferred(name: str, all_gather, reduce_scatter, g) -> dict:
     return checks
 
 
-def fsdp2_barriers_per_step() -> int:
+def check_leased(name: str, g, shared: bool) -> dict:
+    """Reduce-scatters whose input came from ``allocate`` (FSDP2 copies the gradients into it):
+    leased in a slot and published without a copy, once the group has an arena; an all-gather
+    published between the lease and the reduce-scatter does not take the leased slot; a
+    lease made before the slots grow is published by copying."""
+    arenas = _Arenas()
+    all_gather, reduce_scatter = ShmAllGather(arenas), ShmReduceScatter(arenas)
+    n, cpu, checks = g.size(), torch.device("cpu"), {}
+    for i, per_rank in enumerate((40, 40, 40, 3000, 40)):
+        numel = n * per_rank
+        full = reduce_scatter.allocate((numel,), dtype=torch.float32, device=cpu)
+        out = reduce_scatter.allocate((per_rank,), dtype=torch.float32, device=cpu)
+        arena = arenas.only()
+        ptrs = [m[g.rank()].data_ptr() for m in arena.slots] if arena and arena.usable else []
+        leased = full.data_ptr() in ptrs
+        full.copy_(torch.randn(numel, generator=torch.Generator().manual_seed(rank + 10 * i)))
+        expected = torch.empty(per_rank)
+        reduce_scatter_single(expected, full.clone(), dist.ReduceOp.SUM, group=g)
+        shard = torch.full((5 + i,), float(rank + i))  # the next unit's all-gather, say
+        gathered, gathered_expected = torch.empty(n * (5 + i)), torch.empty(n * (5 + i))
+        all_gather_single(gathered_expected, shard, group=g)
+        work = all_gather(gathered, shard, g)
+        if i == 3:  # slots grow (another group's arena, say) while the lease waits
+            arena.reserve(2 * arena.capacity)
+        reduce_scatter(out, full, g, dist.ReduceOp.SUM)
+        finish(work)
+        key = f"{name} n={n} leased #{i}"
+        checks[key] = bool(torch.allclose(out, expected, atol=1e-5, rtol=1e-5))
+        checks[f"{key} gathered"] = bool(torch.equal(gathered, gathered_expected))
+        checks[f"{key} in a slot"] = leased == (shared and i > 0)
+    return checks
+
+
+def fsdp2_barriers_per_step() -> tuple[int, int]:
     """Barriers one FSDP2 step passes with shared memory, one unit per layer of 4 (the last
     one kept gathered for backward) plus the root: 5 in forward (the root's and 4 units'
     all-gathers, each waited for at once) and 5 in backward (5 reduce-scatters, each also
     serving the all-gather FSDP2 prefetched before it), where each collective alone would pass
-    13."""
+    13; and how many inputs were published without a copy (the 5 reduce-scatters' inputs)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp2lab.parallel.fsdp2 import apply_fsdp
@@ -124,40 +157,59 @@ def fsdp2_barriers_per_step() -> int:
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), *layers, torch.nn.Linear(16, 2))
     mesh = init_device_mesh("cpu", (world,))
     apply_fsdp(model, mesh, layers, unit_policy="layer", gloo_collectives="shm")
-    counts, barrier = [], dist.barrier
+    arena_type = shm_collectives.ShmArena
+    barrier, publish = arena_type._barrier, arena_type.publish
+    barriers, in_place = [], []
 
-    def counting(*args, **kwargs):
-        counts[-1] += 1
-        return barrier(*args, **kwargs)
+    def counting(arena):
+        barriers[-1] += 1
+        return barrier(arena)
 
-    dist.barrier = counting
+    def publishing(arena, data, read):
+        leased = arena.leased is not None
+        call = publish(arena, data, read)
+        in_place[-1] += leased and arena.leased is None  # the lease was this input
+        return call
+
+    arena_type._barrier, arena_type.publish = counting, publishing
     for _ in range(3):
-        counts.append(0)
+        barriers.append(0)
+        in_place.append(0)
         model(torch.randn(4, 8)).sum().backward()
-    dist.barrier = barrier
-    return counts[-1]
+    arena_type._barrier, arena_type.publish = barrier, publish
+    return barriers[-1], in_place[-1]
 
 
-checks, usable = {}, {}
+checks, usable, barriers_used = {}, {}, {}
 for g in groups:
     checks.update(check("ring", RingAllGather(), RingReduceScatter(), g))
-    arenas = _Arenas()
-    checks.update(check("shm", ShmAllGather(arenas), ShmReduceScatter(arenas), g))
-    checks.update(check_deferred("shm", ShmAllGather(arenas), ShmReduceScatter(arenas), g))
-    usable[f"n={g.size()}"] = arenas.get(g).usable
+    # The barrier on shared counts (x86-64), and gloo's (elsewhere).
+    native = shm_collectives.SHM_BARRIER
+    for name, shm_barrier in (("shm", native), ("shm-gloo-barrier", False)):
+        shm_collectives.SHM_BARRIER = shm_barrier
+        arenas = _Arenas()
+        checks.update(check(name, ShmAllGather(arenas), ShmReduceScatter(arenas), g))
+        checks.update(check_deferred(name, ShmAllGather(arenas), ShmReduceScatter(arenas), g))
+        checks.update(check_leased(name, g, shared=True))
+        usable[f"n={g.size()} {name}"] = arenas.get(g).usable
+        barriers_used[name] = arenas.get(g).shm_barrier is not None
+        shm_collectives.SHM_BARRIER = native
     # Rank 1's /dev/shm is unusable: every rank of its groups falls back to the rings.
     if rank == 1:
         shm_collectives.SHM_DIR = "/nonexistent-shm"
     arenas = _Arenas()
     checks.update(check("shm-fallback", ShmAllGather(arenas), ShmReduceScatter(arenas), g))
+    checks.update(check_leased("shm-fallback", g, shared=1 not in dist.get_process_group_ranks(g)))
     usable[f"n={g.size()} rank 1 without /dev/shm"] = arenas.get(g).usable
     shm_collectives.SHM_DIR = "/dev/shm"
-barriers = fsdp2_barriers_per_step()
+barriers, in_place = fsdp2_barriers_per_step()
 dist.barrier()
 left = sorted(ours_in_dev_shm() - before)
 report = {"rank": rank, "checks": checks, "usable": usable, "left_in_dev_shm": left}
+report["shm_barrier"] = barriers_used | {"native": shm_collectives.SHM_BARRIER}
 # None where this torch's FSDP2 takes no custom collectives (gloo's own run)
 report["fsdp2_barriers_per_step"] = barriers if AllGatherBase is not object else None
+report["fsdp2_published_in_place_per_step"] = in_place if AllGatherBase is not object else None
 Path(sys.argv[1], f"rank-{rank}.json").write_text(json.dumps(report))
 dist.destroy_process_group()
 distributed.exit_process(0)

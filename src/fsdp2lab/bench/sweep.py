@@ -21,7 +21,7 @@ variants (named sets of train keys, e.g. FSDP2 with another unit policy)::
     [models.cnn-fmnist]            # a model of its own: another model's keys, its own axes
     model = "cnn"
     dataset = "fashion-mnist"
-    strategies = ["compute-only", "fsdp2"]   # narrows the sweep's axes for this model
+    strategies = ["compute-only", "fsdp2"]   # narrows the sweep's axes for this model (flags win)
     world_sizes = [2]
     repeat = 1                     # fewer repeats for this model
 
@@ -211,9 +211,14 @@ def _model_axes(values: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def override(sweep: Sweep, **axes: Any) -> Sweep:
-    """Apply axes given as flags (None: keep the file's)."""
+    """Apply axes given as flags (None: keep the file's); a flag also replaces what a
+    [models.X] table narrowed for its model."""
     changes = {k: v for k, v in axes.items() if v is not None}
-    return dataclasses.replace(sweep, **changes)
+    model_axes = {
+        name: {k: v for k, v in own.items() if k not in changes}
+        for name, own in sweep.model_axes.items()
+    }
+    return dataclasses.replace(sweep, **changes, model_axes=model_axes)
 
 
 def validate(sweep: Sweep) -> None:

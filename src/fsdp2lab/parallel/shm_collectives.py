@@ -3,8 +3,8 @@
 gloo moves every byte through the loopback TCP stack: a copy into the kernel and one out, on the
 same two cores that compute. Ranks on one host can instead read each other's buffers: each rank
 of a process group maps every rank's slots in ``/dev/shm``, writes its input to a slot of its own,
-waits at a gloo barrier (a few bytes: the synchronisation, and the memory ordering that comes with
-it), then reads what it needs from the others' slots.
+waits at a barrier (:class:`ShmBarrier`, counts in the same files, on x86-64; gloo's elsewhere),
+then reads what it needs from the others' slots.
 
 On 2 cores the barriers, not the bytes, are the cost: each waits until every rank has been
 scheduled. So an all-gather only publishes its input, and reads at the group's next barrier,
@@ -24,7 +24,12 @@ every rank has mapped them: nothing is left in ``/dev/shm``, even after a crash.
 
 from __future__ import annotations
 
+import math
+import mmap
 import os
+import platform
+import struct
+import time
 import uuid
 from collections.abc import Callable
 
@@ -38,12 +43,66 @@ from fsdp2lab.parallel.gloo_ring import (
     ring_reduce_scatter,
 )
 from fsdp2lab.runtime import logs
-from fsdp2lab.runtime.torch_compat import set_custom_collectives
+from fsdp2lab.runtime.torch_compat import group_timeout_s, set_custom_collectives
 
 log = logs.get_logger(__name__)
 
 SHM_DIR = "/dev/shm"
 _ALIGN = 1 << 16  # slot sizes grow in 64 KiB steps, to the largest unit
+_HEADER = 64  # a rank's file starts with its barrier count, alone on its cache line
+# x86-64 makes a core's stores visible to the others in program order (x86-TSO): a rank that
+# sees a peer's count also sees the slot the peer wrote before it. Elsewhere: gloo's barrier.
+SHM_BARRIER = platform.machine().lower() in ("x86_64", "amd64")
+
+
+class ShmBarrier:
+    """A barrier on counts in shared memory: each rank writes how many barriers it has reached
+    to its own count, then polls every rank's until all have reached as many.
+
+    Waiting costs the time the last rank takes to arrive, plus a poll: gloo's barrier adds a
+    round trip through loopback TCP and its own threads (0.06 against 1.15 ms a barrier here,
+    2 ranks each computing 3 ms between barriers: ``scripts/compare_barriers.py``). A rank polls, yielding its core, for
+    ``SPIN_S``, then sleeps between polls (50 us, doubling to 1 ms): ranks that share a core
+    with others, or wait on a slow one, leave it free. A rank that has not arrived within the
+    group's timeout is an error, as in any collective.
+    """
+
+    SPIN_S = 0.002
+
+    def __init__(
+        self,
+        counts: list[memoryview],
+        rank: int,
+        group: dist.ProcessGroup | None,
+        timeout_s: float | None = None,  # None: the group's, read when a wait gets long
+    ):
+        self.counts, self.rank, self.group, self.timeout_s = counts, rank, group, timeout_s
+
+    def wait(self, target: int) -> None:
+        counts = self.counts
+        counts[self.rank][0] = target
+        start = time.perf_counter()
+        polls, nap, deadline = 0, 5e-5, None
+        while any(c[0] < target for c in counts):
+            polls += 1
+            if polls % 64 or time.perf_counter() - start < self.SPIN_S:
+                os.sched_yield()
+                continue
+            if deadline is None:
+                timeout_s = self.timeout_s or group_timeout_s(self.group) or 1800.0
+                deadline = start + timeout_s
+            if time.perf_counter() > deadline:
+                raise RuntimeError(self._late(target, time.perf_counter() - start))
+            time.sleep(nap)
+            nap = min(nap * 2, 1e-3)
+
+    def _late(self, target: int, waited_s: float) -> str:
+        ranks = dist.get_process_group_ranks(self.group) if self.group else range(len(self.counts))
+        late = [r for r, c in zip(ranks, self.counts, strict=True) if c[0] < target]
+        return (
+            f"fsdp2lab: shared-memory barrier: rank(s) {late} did not arrive within "
+            f"{waited_s:.0f} s (the group's timeout)"
+        )
 
 
 class ShmArena:
@@ -64,11 +123,13 @@ class ShmArena:
         self.capacity = 0  # bytes per slot
         self.generation = 0
         self.slots: list[list[torch.Tensor]] = []  # [slot][rank], uint8
+        self.shm_barrier: ShmBarrier | None = None  # on the current files' counts
         self.usable = True
         self.barriers = 0
         self.read_at = [-1] * self.SLOTS  # the barrier count when each slot was last read
         self.calls = 0
         self.pending: dict[int, tuple[int, Callable[[], None]]] = {}  # call: (slot, read)
+        self.leased: int | None = None  # a slot handed out to be written, then published
 
     def _path(self, rank: int) -> str:
         return os.path.join(SHM_DIR, f"fsdp2lab-{self.token}-{self.generation}-{rank}")
@@ -91,23 +152,27 @@ class ShmArena:
         capacity = -(-nbytes // _ALIGN) * _ALIGN
         self.generation += 1
         mine, why = self._path(self.rank), ""
+        size = _HEADER + self.SLOTS * capacity
         try:
             fd = os.open(mine, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
-                os.posix_fallocate(fd, 0, self.SLOTS * capacity)
+                os.posix_fallocate(fd, 0, size)
+                os.pwrite(fd, struct.pack("q", self.barriers), 0)  # this rank's count so far
             finally:
                 os.close(fd)
         except OSError as e:
             why = f"{mine}: {e.strerror or e}"
         maps: list[torch.Tensor] = []
+        counts: list[memoryview] = []
         if self._agree(not why):
             try:
-                maps = [
-                    torch.from_file(
-                        self._path(r), shared=True, size=self.SLOTS * capacity, dtype=torch.uint8
+                for r in range(self.size):
+                    maps.append(
+                        torch.from_file(self._path(r), shared=True, size=size, dtype=torch.uint8)
                     )
-                    for r in range(self.size)
-                ]
+                    if SHM_BARRIER:
+                        with open(self._path(r), "r+b") as f:
+                            counts.append(memoryview(mmap.mmap(f.fileno(), _HEADER)).cast("q"))
             except (OSError, RuntimeError) as e:
                 why = f"another rank's buffer cannot be mapped here ({e})"
         ok = self._agree(not why)  # every rank has mapped (or failed): the files can go
@@ -126,17 +191,21 @@ class ShmArena:
             return False
         self.capacity = capacity
         self.slots = [
-            [m[s * capacity : (s + 1) * capacity] for m in maps] for s in range(self.SLOTS)
+            [m[_HEADER + s * capacity : _HEADER + (s + 1) * capacity] for m in maps]
+            for s in range(self.SLOTS)
         ]
+        if SHM_BARRIER:
+            self.shm_barrier = ShmBarrier(counts, self.rank, self.group)
         self.read_at = [-1] * self.SLOTS
         self.pending = {call: (-1, read) for call, (_, read) in self.pending.items()}
+        self.leased = None  # in the old slots: published by copying, as any tensor
         return True
 
     def _free_slot(self) -> int:
         """A slot no collective is pending in, and that every rank has read since it was last
         written: read before the latest barrier."""
         while True:
-            busy = {slot for slot, _ in self.pending.values()}
+            busy = {slot for slot, _ in self.pending.values()} | {self.leased}
             for s in range(self.SLOTS):
                 if s not in busy and self.read_at[s] < self.barriers:
                     return s
@@ -146,16 +215,35 @@ class ShmArena:
                 self._barrier()
 
     def _barrier(self) -> None:
-        dist.barrier(group=self.group)
+        if self.shm_barrier is not None:
+            self.shm_barrier.wait(self.barriers + 1)
+        else:
+            dist.barrier(group=self.group)
         self.barriers += 1
 
+    def lease(self, nbytes: int) -> torch.Tensor | None:
+        """This rank's part of a free slot, to write a collective's input into before it is
+        published (no copy then); None where the group has no slots. One lease at a time."""
+        self.leased = None
+        if not self.reserve(nbytes):
+            return None
+        self.leased = self._free_slot()
+        return self.slots[self.leased][self.rank][:nbytes]
+
     def publish(self, data: torch.Tensor, read: Callable[[list[torch.Tensor]], None]) -> int:
-        """Write ``data`` (contiguous) to a slot of this rank; once every rank has written its
-        own (at the next :meth:`sync`), ``read`` gets every rank's slot viewed like ``data``
-        (flat). Returns the call's number, for :meth:`done`."""
-        s = self._free_slot()
+        """Write ``data`` (contiguous) to a slot of this rank, unless it is the leased slot
+        already; once every rank has written its own (at the next :meth:`sync`), ``read`` gets
+        every rank's slot viewed like ``data`` (flat). Returns the call's number, for
+        :meth:`done`."""
+        s = self.leased
+        in_place = s is not None and data.data_ptr() == self.slots[s][self.rank].data_ptr()
+        if in_place:
+            self.leased = None
+        else:  # a lease not (yet) published stays busy
+            s = self._free_slot()
         slots = [m[: _bytes(data)].view(data.dtype) for m in self.slots[s]]
-        slots[self.rank].copy_(data.reshape(-1))
+        if not in_place:
+            slots[self.rank].copy_(data.reshape(-1))
         self.calls += 1
         self.pending[self.calls] = (s, lambda: read(slots))
         return self.calls
@@ -234,6 +322,10 @@ class _Arenas:
             self.by_group[key] = ShmArena(group)
         return self.by_group[key]
 
+    def only(self) -> ShmArena | None:
+        """The arena, where exactly one group has one."""
+        return next(iter(self.by_group.values())) if len(self.by_group) == 1 else None
+
 
 class ShmAllGather(RingAllGather):
     """FSDP2's all-gather through shared memory; the ring where the group cannot share it.
@@ -256,12 +348,28 @@ class ShmAllGather(RingAllGather):
 
 
 class ShmReduceScatter(RingReduceScatter):
-    """FSDP2's reduce-scatter (SUM, AVG) through shared memory; otherwise as the ring's."""
+    """FSDP2's reduce-scatter (SUM, AVG) through shared memory; otherwise as the ring's.
+
+    FSDP2 asks :meth:`allocate` for the input (it copies the gradients into it), then for the
+    output, then reduces. Where one group's arena serves every collective (FSDP2 over one
+    shard group), the input is leased in that arena's slots: published without a copy.
+    """
 
     def __init__(self, arenas: _Arenas):
         self.arenas = arenas
+        self.input_next = True  # the next allocation is a reduce-scatter's input
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        arena, self.input_next = self.arenas.only() if self.input_next else None, False
+        numel = math.prod(int(n) for n in size)
+        if arena is not None and device.type == "cpu":
+            leased = arena.lease(numel * dtype.itemsize)
+            if leased is not None:
+                return leased.view(dtype).view(*size)
+        return super().allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.input_next = True
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             return super().__call__(output_tensor, input_tensor, group, op, async_op)
         arena = self.arenas.get(group)

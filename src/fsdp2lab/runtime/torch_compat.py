@@ -40,6 +40,8 @@ all_gather_single / reduce_scatter_single 2.14     2.14.1 warns that ``all_gathe
                                                    the new names are missing, the old ones
 torch.distributed.set_timeout             2.14     before: distributed_c10d._set_pg_timeout
                                                    (private, the same; ``set_group_timeout``)
+a gloo group's timeout, read             -        private ``options._timeout`` of its
+                                                   backend (``group_timeout_s``; else None)
 listing the process groups                -        private ``distributed_c10d._world.pg_map``
                                                    (``process_groups``)
 CUDA memory snapshot                      <=2.6    private ``torch.cuda.memory._record_memory_history``
@@ -187,6 +189,16 @@ def set_group_timeout(group: Any, timeout: timedelta) -> bool:
         "collectives keep the start-up timeout",
     )
     return False
+
+
+def group_timeout_s(group: Any) -> float | None:
+    """The seconds ``group``'s collectives wait on the CPU (gloo) backend: its private
+    ``options._timeout``; None where this torch does not expose it."""
+    try:
+        timeout = group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+    return timeout.total_seconds() if isinstance(timeout, timedelta) else None
 
 
 # ------------------------------------------------------------------ CUDA memory history
