@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from fsdp2lab.config import add_train_arguments, config_from_args
 from fsdp2lab.parallel import shm_collectives
-from fsdp2lab.runtime import distributed, launch_env
+from fsdp2lab.runtime import distributed, host_memory, launch_env
 from fsdp2lab.training.optim import build_optimizer
 from fsdp2lab.training.trainer import Trainer
 
@@ -84,6 +84,7 @@ def main() -> None:
     args = parser.parse_args()
     train_args = [a for a in args.train_args if a != "--"]
     names = args.variants.split(",")
+    host_memory.configure("cached")  # process-wide, as `fsdp2lab train` does by default
     runtime = distributed.init(launch_env.detect(), "auto")
     try:
         trainers, batches = {}, {}

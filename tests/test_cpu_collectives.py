@@ -37,8 +37,11 @@ def test_cpu_collectives_equal_gloo_builtin_ones(tmp_path, ranks):
         # world and, on 4 ranks, the 2-rank shard groups of a 2 x 2 mesh: ring, shm (with its
         # barrier and with gloo's) and shm's fallback, each 4 sizes x 2 repeats x (2 AG + 2 RS);
         # shm's deferred all-gathers (8 AG, 1 RS), with either barrier; reduce-scatters into
-        # leased slots (5 x 3), with either barrier and in the fallback
-        assert len(report["checks"]) == (4 * 32 + 2 * 9 + 3 * 15) * (2 if ranks == 4 else 1)
+        # leased slots (5 x 3), with either barrier and in the fallback; host_collectives'
+        # all-gather and 3 all-reduces of 4 tensors, likewise
+        assert len(report["checks"]) == (4 * 32 + 2 * 9 + 3 * 15 + 3 * 16) * (
+            2 if ranks == 4 else 1
+        )
         x86 = platform.machine().lower() in ("x86_64", "amd64")
         assert report["shm_barrier"] == {"native": x86, "shm": x86, "shm-gloo-barrier": False}
         assert report["left_in_dev_shm"] == []
@@ -53,6 +56,7 @@ def test_cpu_collectives_equal_gloo_builtin_ones(tmp_path, ranks):
         ):
             expected |= {f"n={n} shm": True, f"n={n} shm-gloo-barrier": True}
             expected[f"n={n} rank 1 without /dev/shm"] = usable_without_rank1
+            expected[f"n={n} host, rank 1 without /dev/shm"] = usable_without_rank1
         assert report["usable"] == expected
     # the fallback was said once per rank that could not share, not silently
     assert "shared-memory collectives off" in proc.stdout + proc.stderr

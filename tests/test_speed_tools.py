@@ -244,3 +244,22 @@ def test_sweep_model_and_variant_tables_are_checked(tmp_path, table, message):
     path.write_text(f'[sweep]\nmodels = ["x"]\n{table}\n' if "models.x" in table else table)
     with pytest.raises(UsageError, match=re.escape(message)):
         sweep.plan(sweep.load_sweep(str(path)))
+
+
+def test_throughput_is_shared_against_compute_only_with_the_same_host_malloc():
+    from fsdp2lab.bench.report import _extra_tables
+
+    def line(samples_per_s, copies, host_malloc):
+        v = {"n": 1, "global_batch_size": 64, "copies": copies, "host_malloc": host_malloc}
+        v.update({f"samples_per_s{s}": samples_per_s for s in ("", ":min", ":max")})
+        return v
+
+    agg = {
+        ("cnn", "fp32", "compute-only", 2): line(2000.0, 2, "cached"),
+        ("cnn", "fp32", "compute-only-system-malloc", 2): line(1000.0, 2, "system"),
+        ("cnn", "fp32", "fsdp2", 2): line(1800.0, 1, "cached"),
+        ("cnn", "fp32", "fsdp2-system-malloc", 2): line(800.0, 1, "system"),
+    }
+    table = "\n".join(_extra_tables(agg))
+    assert "| cnn | fsdp2 | 2 | 64 | 1800 | 90% |" in table
+    assert "| cnn | fsdp2-system-malloc | 2 | 64 | 800 | 80% |" in table

@@ -188,6 +188,12 @@ class TrainConfig:
         "seconds a collective may wait for a peer; a rank silent for half of it is reported "
         "(start-up and checkpoint I/O get max(this, 600))",
     )
+    host_malloc: str = _opt(
+        "cached",
+        "host memory a rank frees: cached (kept for the next step's tensors: no page faults per "
+        "step; glibc, unless you tuned malloc yourself) | system (the C library's defaults)",
+        choices=("cached", "system"),
+    )
     on_nan: str = _opt(
         "stop",
         "a non-finite loss or gradient: stop (exit 1) | skip the step's update",

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fsdp2lab.parallel import shm_collectives
+from fsdp2lab.parallel import host_collectives, shm_collectives
 from fsdp2lab.parallel.gloo_ring import RingAllGather, RingReduceScatter
 from fsdp2lab.parallel.shm_collectives import ShmAllGather, ShmReduceScatter, _Arenas
 from fsdp2lab.runtime import distributed
@@ -142,6 +142,29 @@ def check_leased(name: str, g, shared: bool) -> dict:
     return checks
 
 
+def check_host(name: str, g) -> dict:
+    """``host_collectives``' all-gather and all-reduce (SUM, MAX, MIN) of small CPU tensors
+    against gloo's: a flag pair, a float64 row, a growing tensor, in turn (shared slots reused)."""
+    n, checks = g.size(), {}
+    for i, (numel, dtype) in enumerate(
+        ((2, torch.float32), (9, torch.float64), (20000, torch.float32), (2, torch.float32))
+    ):
+        gen = torch.Generator().manual_seed(100 * rank + i)
+        t = torch.randn(numel, generator=gen).to(dtype)
+        key = f"{name} n={n} host numel={numel} {dtype} #{i}"
+        expected = torch.empty(n * numel, dtype=dtype)
+        all_gather_single(expected, t, group=g)
+        checks[f"ag {key}"] = bool(
+            torch.equal(host_collectives.all_gather(t, g), expected.view(n, -1))
+        )
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN):
+            ours, theirs = t.clone(), t.clone()
+            host_collectives.all_reduce(ours, op, g)
+            dist.all_reduce(theirs, op, group=g)
+            checks[f"ar {op} {key}"] = bool(torch.allclose(ours, theirs, atol=1e-6, rtol=1e-6))
+    return checks
+
+
 def fsdp2_barriers_per_step() -> tuple[int, int]:
     """Barriers one FSDP2 step passes with shared memory, one unit per layer of 4 (the last
     one kept gathered for backward) plus the root: 5 in forward (the root's and 4 units'
@@ -191,6 +214,8 @@ for g in groups:
         checks.update(check(name, ShmAllGather(arenas), ShmReduceScatter(arenas), g))
         checks.update(check_deferred(name, ShmAllGather(arenas), ShmReduceScatter(arenas), g))
         checks.update(check_leased(name, g, shared=True))
+        host_collectives._ARENAS.clear()
+        checks.update(check_host(name, g))
         usable[f"n={g.size()} {name}"] = arenas.get(g).usable
         barriers_used[name] = arenas.get(g).shm_barrier is not None
         shm_collectives.SHM_BARRIER = native
@@ -200,6 +225,9 @@ for g in groups:
     arenas = _Arenas()
     checks.update(check("shm-fallback", ShmAllGather(arenas), ShmReduceScatter(arenas), g))
     checks.update(check_leased("shm-fallback", g, shared=1 not in dist.get_process_group_ranks(g)))
+    host_collectives._ARENAS.clear()
+    checks.update(check_host("shm-fallback", g))
+    usable[f"n={g.size()} host, rank 1 without /dev/shm"] = host_collectives._arena(g).usable
     usable[f"n={g.size()} rank 1 without /dev/shm"] = arenas.get(g).usable
     shm_collectives.SHM_DIR = "/dev/shm"
 barriers, in_place = fsdp2_barriers_per_step()

@@ -161,14 +161,15 @@ def _md_table(title: str, columns: list[str], rows: list[list[str]]) -> list[str
 def _extra_tables(agg: dict) -> list[str]:
     """Throughput against compute only, time to the target accuracy, and where a step goes,
     where runs have them."""
-    ceiling = {  # (model, precision, ws, global batch) -> the side-by-side line's throughput
-        (m, p, ws, v["global_batch_size"]): v["samples_per_s"]
+    # (model, precision, ws, global batch, host malloc) -> the side-by-side line's throughput
+    ceiling = {
+        (m, p, ws, v["global_batch_size"], v.get("host_malloc")): v["samples_per_s"]
         for (m, p, _, ws), v in agg.items()
         if v.get("copies", 1) > 1 and "samples_per_s" in v
     }
     share = []
     for (model, precision, line, ws), v in sorted(agg.items()):
-        ref = ceiling.get((model, precision, ws, v["global_batch_size"]))
+        ref = ceiling.get((model, precision, ws, v["global_batch_size"], v.get("host_malloc")))
         if ref and "samples_per_s" in v:
             share.append(
                 [model, line, ws, v["global_batch_size"], _fmt_range(v, "samples_per_s", 1, 0)]

@@ -27,6 +27,7 @@ COLUMNS = [
     "mesh",
     "model",
     "precision",
+    "host_malloc",
     "reshard",
     "repeat",
     "params_total",
@@ -129,6 +130,7 @@ def _row(folder: Path, peak_override: float | None) -> dict:
     row.update(**_target_and_profile(records, folder))
     row.update(
         label=s.get("label", s["strategy"]),
+        host_malloc=cfg.host_malloc,
         mesh=" x ".join(
             f"{n}={k}" for n, k in zip(s["mesh"]["names"], s["mesh"]["shape"], strict=True)
         ),
@@ -248,7 +250,7 @@ def aggregate(rows: list[dict]) -> dict[tuple, dict]:
     out = {}
     for key, group in groups.items():
         first = group[0]
-        keys = ("mesh", "params_total", "label", "copies", "global_batch_size")
+        keys = ("mesh", "params_total", "label", "copies", "global_batch_size", "host_malloc")
         agg = {"n": len(group), **{k: first[k] for k in keys}}
         for m in measures:
             values = [g[m] for g in group if g[m] is not None and not _isnan(g[m])]

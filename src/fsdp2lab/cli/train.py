@@ -33,7 +33,7 @@ def default_nproc(cfg: TrainConfig) -> int:
 
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     from fsdp2lab.plan import resolve
-    from fsdp2lab.runtime import distributed, launch_env, local_launcher, logs
+    from fsdp2lab.runtime import distributed, host_memory, launch_env, local_launcher, logs
     from fsdp2lab.runtime.worker import run_rank
 
     try:
@@ -58,6 +58,9 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         if launch_env.detect().rank == 0:
             return error(str(e))
         return USAGE_EXIT_CODE
+    applied = host_memory.configure(cfg.host_malloc)
+    if launch.rank == 0:
+        logs.get_logger(__name__).debug(f"fsdp2lab: {applied}")
     code = run_rank(launch, cfg.device, _train_on_rank(plan), cfg.collective_timeout)
     distributed.exit_process(code)
 

@@ -185,7 +185,7 @@ class ShmArena:
             if why:
                 log.warning(
                     f"fsdp2lab: shared-memory collectives off for a group of {self.size} ranks "
-                    f"({why}): the gloo rings run instead",
+                    f"({why}): gloo carries them instead",
                     extra=logs.EVERY_RANK,
                 )
             return False

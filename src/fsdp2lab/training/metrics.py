@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from fsdp2lab.parallel import host_collectives
 from fsdp2lab.parallel.strategies import label
-from fsdp2lab.runtime.torch_compat import all_gather_single
 
 if TYPE_CHECKING:
     from fsdp2lab.training.trainer import Trainer
@@ -81,9 +81,7 @@ def per_rank(
     if world_size == 1:
         return {key: [value] for key, value in mine.items()}
     row = torch.tensor([float(v) for v in mine.values()], dtype=torch.float64, device=device)
-    rows = torch.empty(world_size * len(mine), dtype=torch.float64, device=device)
-    all_gather_single(rows, row)
-    columns = rows.view(world_size, len(mine)).t().tolist()
+    columns = host_collectives.all_gather(row).t().tolist()
     return {
         key: [int(v) for v in column] if isinstance(mine[key], int) else column
         for key, column in zip(mine, columns, strict=True)
