@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import subprocess
 import sys
 
@@ -9,7 +10,7 @@ import pytest
 
 from fsdp2lab.runtime import host_memory
 
-# Page faults in steps 4-7 of the main job's model (batch 32, Adam), one thread.
+# Page faults in each of steps 4-11 of the main job's model (batch 32, Adam), one thread.
 _FAULTS = """
 import resource, sys, torch, torch.nn.functional as F
 from fsdp2lab.models.mnist_cnn import Net
@@ -20,29 +21,32 @@ torch.set_num_threads(1)
 model = Net(0.0, 0.0)
 optimizer = torch.optim.Adam(model.parameters())
 x, y = torch.randn(32, 1, 28, 28), torch.randint(0, 10, (32,))
-for step in range(8):
-    if step == 4:
-        start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+faults = []
+for step in range(12):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     optimizer.zero_grad(set_to_none=True)
     F.cross_entropy(model(x), y).backward()
     optimizer.step()
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(*faults[4:])
 """
 
 
-def _faults(mode: str) -> int:
+def _faults(mode: str) -> list[int]:
     out = subprocess.run(
         [sys.executable, "-c", _FAULTS, mode], capture_output=True, text=True, check=True
     )
-    return int(out.stdout.strip())
+    return [int(n) for n in out.stdout.split()]
 
 
 @pytest.mark.skipif(host_memory._glibc() is None, reason="glibc only")
 def test_cached_host_memory_reuses_a_steps_freed_pages():
     cached, system = _faults("cached"), _faults("system")
-    # glibc's defaults fault in 3,400-6,800 pages of 4 KiB a step here (14-27 MiB).
-    assert system > 4 * 1000
-    assert cached < 1000
+    # glibc's defaults fault in 2,000-7,000 pages of 4 KiB in most steps here (8-27 MiB);
+    # cached, a warm step faults in none. The median of 8 steps: now and then a step of either
+    # takes none or some hundreds (the heap's top happened to fit; the machine took pages back).
+    assert statistics.median(system) > 1000, system
+    assert statistics.median(cached) < 50, cached
 
 
 def test_host_malloc_leaves_a_users_own_malloc_settings_alone():
