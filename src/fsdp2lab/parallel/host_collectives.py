@@ -3,12 +3,12 @@ ranks of a group share a host; elsewhere (GPU tensors, ranks on several hosts) t
 
 gloo moves even a few bytes through loopback TCP and its own threads, on the cores that train:
 the NaN guard's all-reduce of two flags after every step, and the step record's gather, cost the
-main job more than their own time (docs/speed.md, round 6). Here a rank writes its tensor to a slot of an arena of
-its own (:class:`~fsdp2lab.parallel.shm_collectives.ShmArena`: its own files and barrier, apart
-from FSDP2's), passes one barrier and reads every rank's: an all-reduce is an all-gather reduced
-in rank order, so every rank gets the same bits. Every rank calls these in the same order, as
-for any collective; the first call on a group maps its arena (falling back, together, where the
-ranks cannot share one).
+main job more than their own time (docs/speed.md, round 6). Here a rank writes its tensor to a
+slot of an arena of its own (:class:`~fsdp2lab.parallel.shm_collectives.ShmArena`: its own files
+and barrier, apart from FSDP2's), passes one barrier and reads every rank's: an all-reduce is an
+all-gather reduced in rank order, so every rank gets the same bits. Every rank calls these in the
+same order, as for any collective; the first call on a group maps its arena (falling back,
+together, where the ranks cannot share one).
 """
 
 from __future__ import annotations
