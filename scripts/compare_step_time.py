@@ -3,7 +3,9 @@
 Every variant is a real ``Trainer`` (same model, data and ``train_step``) built in the same ranks;
 rounds time ``--steps`` steps of each variant in turn (rotating the order), so load from other jobs
 falls on all variants alike. Prints, per variant, the median step time and its ratio to the faster
-of DDP and FSDP1 in the same round (median and range over rounds).
+of DDP and FSDP1 in the same round (median and range over rounds), and with the variant
+``compute-only`` (every rank a one-rank run of its share of the batch) each variant's throughput
+as a share of compute only's, in the same round.
 
     torchrun --nproc-per-node 2 scripts/compare_step_time.py --rounds 10 -- \\
         --model cnn --dataset synthetic --progress off
@@ -12,19 +14,28 @@ of DDP and FSDP1 in the same round (median and range over rounds).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
+from unittest import mock
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp2lab.config import add_train_arguments, config_from_args
 from fsdp2lab.parallel import shm_collectives
+from fsdp2lab.plan import batch_sizes
 from fsdp2lab.runtime import distributed, host_memory, launch_env
+from fsdp2lab.runtime.preemption import Preemption
+from fsdp2lab.training import trainer as trainer_module
+from fsdp2lab.training.nan_guard import NanGuard
 from fsdp2lab.training.optim import build_optimizer
 from fsdp2lab.training.trainer import Trainer
 
 VARIANTS = {
+    # every rank a one-rank run of its share of the batch, on a mesh of its own: no communication
+    "compute-only": ["--strategy", "single"],
     "ddp": ["--strategy", "ddp"],
     "fsdp1": ["--strategy", "fsdp1"],
     "fsdp1-root": ["--strategy", "fsdp1", "--fsdp1-min-params", str(10**12)],
@@ -56,12 +67,23 @@ DTENSOR_STEP = "-dtensor-step"
 # ``<variant>-gloo-barrier``: its shared-memory collectives pass gloo's barrier rather than
 # their own (``shm_collectives.ShmBarrier``); may follow ``-dtensor-step``.
 GLOO_BARRIER = "-gloo-barrier"
+# ``<variant>-copied-ag``: its all-gathers gather into memory of their own, copied from and to the
+# slots, rather than into a slot (``ShmArena.lease_output``); may follow the others.
+COPIED_AG = "-copied-ag"
+# ``<variant>-hooks``: with the per-step hooks of ``fsdp2lab train`` (the NaN guard's check, the
+# preemption check's background all-reduce); the others run bare steps. Not for compute-only.
+HOOKS = "-hooks"
+# ``<variant>-hooks-gloo``: as ``-hooks``, with the preemption check in the background on gloo, as
+# where the ranks share no memory (``runtime/preemption.py``).
+HOOKS_GLOO = "-hooks-gloo"
 DEFAULT = [
     n
     for n in VARIANTS
-    if n not in ("fsdp2-auto-1m", "fsdp2-zero2", "fsdp2-auto-builtin", "fsdp2-auto-ring")
+    if n
+    not in ("compute-only", "fsdp2-auto-1m", "fsdp2-zero2", "fsdp2-auto-builtin", "fsdp2-auto-ring")
 ]
 REFERENCES = ("ddp", "fsdp1", "fsdp1-root")
+HELD = shm_collectives.ShmArena.HELD
 
 
 def main() -> None:
@@ -71,7 +93,8 @@ def main() -> None:
     parser.add_argument(
         "--variants",
         default=",".join(DEFAULT),
-        help=f"of {', '.join(VARIANTS)}, each also with {DTENSOR_STEP} and/or {GLOO_BARRIER}",
+        help=f"of {', '.join(VARIANTS)}, each also with {DTENSOR_STEP}, {GLOO_BARRIER}, "
+        f"{COPIED_AG}, {HOOKS} or {HOOKS_GLOO} (in this order)",
     )
     parser.add_argument(
         "--top-ops",
@@ -92,29 +115,35 @@ def main() -> None:
         for name in names:
             flags = argparse.ArgumentParser()
             add_train_arguments(flags)
-            stem = name.removesuffix(GLOO_BARRIER)
+            base = name.removesuffix(HOOKS_GLOO).removesuffix(HOOKS).removesuffix(COPIED_AG)
+            stem = base.removesuffix(GLOO_BARRIER)
             variant = VARIANTS[stem.removesuffix(DTENSOR_STEP)]
             cfg = config_from_args(
                 flags.parse_args([*train_args, *variant, "--log-every-steps", "1000000"])
             )
             # An arena picks its barrier when it first maps its slots: in the warm-up.
-            shm_collectives.SHM_BARRIER = native_barrier and stem == name
-            trainers[name] = Trainer(cfg, runtime)
+            shm_collectives.SHM_BARRIER = native_barrier and stem == base
+            if stem == "compute-only":
+                trainers[name] = _one_rank(cfg, runtime)
+            else:
+                trainers[name] = Trainer(cfg, runtime, _hooks(name, runtime))
             if stem.endswith(DTENSOR_STEP):
                 trainers[name].optimizer = build_optimizer(
                     trainers[name].model.parameters(), trainers[name].cfg, local_step=False
                 )
             batches[name] = _batches(trainers[name])
             for _ in range(3):  # warm-up: lazy init, allocations
-                trainers[name].train_step(batches[name])
+                _held(name)
+                _step(trainers[name], batches[name])
             shm_collectives.SHM_BARRIER = native_barrier
         times: dict[str, list[float]] = {n: [] for n in names}
         for r in range(args.rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:
+                _held(name)
                 dist.barrier()
                 t0 = time.perf_counter()
                 for _ in range(args.steps):
-                    trainers[name].train_step(batches[name])
+                    _step(trainers[name], batches[name])
                 dist.barrier()
                 times[name].append((time.perf_counter() - t0) / args.steps)
         if runtime.is_main:
@@ -122,7 +151,7 @@ def main() -> None:
         for name in names if args.top_ops else []:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 for _ in range(args.steps):
-                    trainers[name].train_step(batches[name])
+                    _step(trainers[name], batches[name])
             if runtime.is_main:
                 table = prof.key_averages().table(
                     sort_by="self_cpu_time_total", row_limit=args.top_ops
@@ -130,6 +159,45 @@ def main() -> None:
                 print(f"\n{name}, {args.steps} steps:\n{table}", flush=True)
     finally:
         distributed.destroy()
+
+
+def _one_rank(cfg, runtime) -> Trainer:
+    """A one-rank ``Trainer`` in every rank, on a mesh of that rank alone, with the micro-batch
+    the rank has in the multi-rank variants (as ``fsdp2lab bench``'s compute-only runs)."""
+    world = runtime.world_size
+    _, micro = batch_sizes(cfg, world)
+    cfg = dataclasses.replace(cfg, global_batch_size=None, batch_size=micro)
+    alone = dataclasses.replace(runtime, rank=0, world_size=1, local_rank=0)
+
+    def own_mesh(dims, device_type):
+        return init_device_mesh(device_type, (world, 1), mesh_dim_names=("rank", "dp_shard"))[
+            "dp_shard"
+        ]
+
+    with mock.patch.object(trainer_module, "build_mesh", own_mesh):
+        return Trainer(cfg, alone)
+
+
+def _hooks(name: str, runtime) -> list:
+    """The per-step hooks of ``fsdp2lab train`` for a ``-hooks`` variant; none otherwise."""
+    if not name.endswith((HOOKS, HOOKS_GLOO)):
+        return []
+    preemption = Preemption(runtime, None)
+    if name.endswith(HOOKS_GLOO):
+        preemption.shared = False
+    return [NanGuard(runtime, "stop"), preemption]
+
+
+def _step(trainer: Trainer, batches) -> None:
+    """A step as ``Trainer.fit`` takes it, without its step record."""
+    trainer.train_step(batches)
+    for hook in trainer.hooks:
+        hook.after_step(trainer)
+
+
+def _held(name: str) -> None:
+    """How many all-gather outputs the variant's arena may hold in its slots."""
+    shm_collectives.ShmArena.HELD = 0 if name.endswith(COPIED_AG) else HELD
 
 
 def _batches(trainer: Trainer):
@@ -142,13 +210,27 @@ def _batches(trainer: Trainer):
 
 def _print(times: dict[str, list[float]], rounds: int) -> None:
     refs = [n for n in REFERENCES if n in times]
-    print(f"{'variant':14s} {'step ms':>9s} {'(min-max)':>15s}   ratio to best of {','.join(refs)}")
+    header = f"{'variant':14s} {'step ms':>9s} {'(min-max)':>15s}"
+    if refs:
+        header += f"   ratio to best of {','.join(refs)}"
+    if "compute-only" in times:
+        header += "   throughput of compute-only"
+    print(header)
     for name, ts in times.items():
         line = f"{name:14s} {statistics.median(ts) * 1000:9.1f} ({min(ts) * 1000:.1f}-{max(ts) * 1000:.1f})"
         if refs:
             ratios = [ts[r] / min(times[n][r] for n in refs) for r in range(rounds)]
-            line += f"   {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+            line += f"   {_spread(ratios, '{:.2f}x')}"
+        if "compute-only" in times:
+            shares = [times["compute-only"][r] / ts[r] * 100 for r in range(rounds)]
+            line += f"   {_spread(shares, '{:.0f}%')}"
         print(line, flush=True)
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    """The median, and the range in brackets."""
+    lo, hi = fmt.format(min(values)).rstrip("x%"), fmt.format(max(values))
+    return f"{fmt.format(statistics.median(values))} ({lo}-{hi})"
 
 
 if __name__ == "__main__":

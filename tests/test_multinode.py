@@ -189,3 +189,22 @@ def test_only_usr1_or_a_time_limit_or_preemption_requeues():
     assert should_requeue(signal.SIGTERM, "   JobState=PREEMPTED Reason=None\n")
     assert not should_requeue(signal.SIGTERM, cancelled)
     assert not should_requeue(signal.SIGTERM, "")  # scontrol failed: do not undo a scancel
+
+
+def test_preemption_checks_agree_on_every_rank_through_shared_memory_or_gloo(tmp_path):
+    """Rank 1 alone receives SIGUSR1 before the third check: through shared memory (CPU ranks on
+    one host) every rank's third check says so; through gloo in the background, every rank's
+    fourth; no rank says so earlier."""
+    script = Path(__file__).parent / "scripts" / "check_preemption_checks.py"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(script), str(tmp_path)],
+        capture_output=True, text=True, env=cli_env(), timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    usr1 = int(signal.SIGUSR1)
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert report["shared"] == {"verdicts": [0, 0, usr1, usr1, usr1], "shared": True}
+        assert report["background"]["shared"] is False
+        assert report["background"]["verdicts"][:4] == [0, 0, 0, usr1]

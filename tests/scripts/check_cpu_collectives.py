@@ -122,7 +122,8 @@ def check_leased(name: str, g, shared: bool) -> dict:
         full = reduce_scatter.allocate((numel,), dtype=torch.float32, device=cpu)
         out = reduce_scatter.allocate((per_rank,), dtype=torch.float32, device=cpu)
         arena = arenas.only()
-        ptrs = [m[g.rank()].data_ptr() for m in arena.slots] if arena and arena.usable else []
+        mine = g.rank() * numel * 4  # this rank's part of a slot, for numel fp32 a rank
+        ptrs = [m[mine:].data_ptr() for m in arena.slots] if arena and arena.usable else []
         leased = full.data_ptr() in ptrs
         full.copy_(torch.randn(numel, generator=torch.Generator().manual_seed(rank + 10 * i)))
         expected = torch.empty(per_rank)
@@ -139,6 +140,45 @@ def check_leased(name: str, g, shared: bool) -> dict:
         checks[key] = bool(torch.allclose(out, expected, atol=1e-5, rtol=1e-5))
         checks[f"{key} gathered"] = bool(torch.equal(gathered, gathered_expected))
         checks[f"{key} in a slot"] = leased == (shared and i > 0)
+    return checks
+
+
+def check_held(name: str, g, shared: bool) -> dict:
+    """All-gathers whose output came from ``allocate`` (FSDP2 copies its shards into its own
+    rank's part): leased in a slot, once the group has an arena, which every rank writes its
+    part straight into; held through later reduce-scatters (the slots turning under them) until
+    waited for; at most ``ShmArena.HELD`` at a time; one held while the slots grow stays whole."""
+    arenas = _Arenas()
+    all_gather, reduce_scatter = ShmAllGather(arenas), ShmReduceScatter(arenas)
+    n, cpu, checks, sum_ = g.size(), torch.device("cpu"), {}, dist.ReduceOp.SUM
+    reduce_scatter(torch.empty(1), torch.zeros(n), g, sum_)  # the group's first: its arena
+    arena = arenas.only()
+    for batch in (((0, 30), (1, 30), (2, 30)), ((3, 30), (4, 2000)), ((5, 30),)):
+        pending = []
+        for i, per_rank in batch:
+            out = all_gather.allocate((n * per_rank,), dtype=torch.float32, device=cpu)
+            slots = arena.slots if arena.usable else []
+            in_slot = any(out.data_ptr() == m.data_ptr() for m in slots)
+            shard = torch.randn(per_rank, generator=torch.Generator().manual_seed(rank + 10 * i))
+            expected = torch.empty(n * per_rank)
+            all_gather_single(expected, shard, group=g)
+            own = out.view(n, -1)[g.rank()]
+            own.copy_(shard)
+            pending.append((i, all_gather(out, own, g), out, expected, in_slot))
+            summed = []
+            for j in range(3):  # each passes a barrier; their leased inputs take free slots
+                full = reduce_scatter.allocate((n * per_rank,), dtype=torch.float32, device=cpu)
+                full.fill_(g.rank() + j)
+                reduced = torch.empty(per_rank)
+                reduce_scatter(reduced, full, g, sum_)
+                summed.append(bool(torch.all(reduced == sum(range(n)) + n * j)))
+            checks[f"{name} n={n} held #{i} reduce-scatters"] = all(summed)
+        for i, work, out, expected, in_slot in pending:
+            finish(work)
+            checks[f"{name} n={n} held #{i} gathered"] = bool(torch.equal(out, expected))
+            third = i == 2  # a third held at once: plain memory instead
+            checks[f"{name} n={n} held #{i} in a slot"] = in_slot == (shared and not third)
+    checks[f"{name} n={n} held released"] = not arena.held
     return checks
 
 
@@ -170,7 +210,8 @@ def fsdp2_barriers_per_step() -> tuple[int, int]:
     one kept gathered for backward) plus the root: 5 in forward (the root's and 4 units'
     all-gathers, each waited for at once) and 5 in backward (5 reduce-scatters, each also
     serving the all-gather FSDP2 prefetched before it), where each collective alone would pass
-    13; and how many inputs were published without a copy (the 5 reduce-scatters' inputs)."""
+    13; and how many inputs were published without a copy (the 5 reduce-scatters' inputs and
+    the 8 all-gathers' own parts of their outputs)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp2lab.parallel.fsdp2 import apply_fsdp
@@ -214,6 +255,7 @@ for g in groups:
         checks.update(check(name, ShmAllGather(arenas), ShmReduceScatter(arenas), g))
         checks.update(check_deferred(name, ShmAllGather(arenas), ShmReduceScatter(arenas), g))
         checks.update(check_leased(name, g, shared=True))
+        checks.update(check_held(name, g, shared=True))
         host_collectives._ARENAS.clear()
         checks.update(check_host(name, g))
         usable[f"n={g.size()} {name}"] = arenas.get(g).usable
@@ -224,7 +266,9 @@ for g in groups:
         shm_collectives.SHM_DIR = "/nonexistent-shm"
     arenas = _Arenas()
     checks.update(check("shm-fallback", ShmAllGather(arenas), ShmReduceScatter(arenas), g))
-    checks.update(check_leased("shm-fallback", g, shared=1 not in dist.get_process_group_ranks(g)))
+    shared = 1 not in dist.get_process_group_ranks(g)
+    checks.update(check_leased("shm-fallback", g, shared=shared))
+    checks.update(check_held("shm-fallback", g, shared=shared))
     host_collectives._ARENAS.clear()
     checks.update(check_host("shm-fallback", g))
     usable[f"n={g.size()} host, rank 1 without /dev/shm"] = host_collectives._arena(g).usable

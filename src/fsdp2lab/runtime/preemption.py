@@ -5,9 +5,12 @@ all-reduce (MAX), since a signal reaches the ranks at slightly different times; 
 after the same step. That all-reduce runs in the background, on a gloo group of its own, while the
 next step computes, and its verdict is read after that step: a signal stops training one step
 later than a blocking check would, and no step waits for it (a blocking check is one more point
-per step where every rank waits for the slowest). At an epoch's (or the run's) last step the
-check waits for ``after_epoch``, once the epoch's evaluation and checkpoint are done, and blocks;
-a run that is finishing anyway finishes.
+per step where every rank waits for the slowest). Where the ranks are CPU processes on one host
+(gloo), the check blocks instead, through shared memory (``parallel/host_collectives.py``), and
+stops training after the very step: a barrier right after the optimizer step, which the ranks
+reach together, costs less than gloo's threads working beside every step. At an epoch's (or the
+run's) last step the check waits for ``after_epoch``, once the epoch's evaluation and checkpoint
+are done, and blocks; a run that is finishing anyway finishes.
 
 On a stop: the checkpoint manager saves this step (``--ckpt-dir``), and under Slurm rank 0 runs
 ``scontrol requeue $SLURM_JOB_ID``; the requeued job resumes with ``--resume auto``. SIGUSR1 (what
@@ -31,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from fsdp2lab.parallel import host_collectives
 from fsdp2lab.runtime import faults, logs
 from fsdp2lab.runtime.distributed import Runtime
 from fsdp2lab.training.hooks import Hooks, StopTraining
@@ -91,6 +95,7 @@ class Preemption(Hooks):
         # all-reduce never queues behind (or ahead of) the training's collectives.
         self.group = dist.new_group(backend="gloo") if runtime.world_size > 1 else None
         self.pending: tuple[dist.Work, torch.Tensor] | None = None  # the background all-reduce
+        self.shared: bool | None = None  # checks through shared memory; None: not asked yet
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
                 signal.signal(sig, self._on_signal)
@@ -115,10 +120,15 @@ class Preemption(Hooks):
     # ------------------------------------------------------------------ stop
     def _agreed(self, wait: bool) -> int:
         """The largest signal number any rank had received by the previous check, then this
-        check's flags sent in the background; with ``wait``, this check's own verdict (blocking).
-        A collective on every rank, in the same order."""
+        check's flags sent in the background; with ``wait``, or through shared memory, this
+        check's own verdict (blocking). A collective on every rank, in the same order."""
         if self.runtime.world_size == 1:
             return self.received
+        if self.shared is None:  # the first check, on every rank
+            self.shared = host_collectives.shares_memory()
+        if self.shared:
+            flag = torch.tensor([self.received], dtype=torch.int64)
+            return int(host_collectives.all_reduce(flag, op=dist.ReduceOp.MAX).item())
         signum = 0
         if self.pending is not None:
             work, flag = self.pending
