@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp2lab.config import add_train_arguments, config_from_args
 from fsdp2lab.parallel import shm_collectives
-from fsdp2lab.plan import batch_sizes
+from fsdp2lab.plan import resolve
 from fsdp2lab.runtime import distributed, host_memory, launch_env
 from fsdp2lab.runtime.preemption import Preemption
 from fsdp2lab.training import trainer as trainer_module
@@ -165,7 +165,8 @@ def _one_rank(cfg, runtime) -> Trainer:
     """A one-rank ``Trainer`` in every rank, on a mesh of that rank alone, with the micro-batch
     the rank has in the multi-rank variants (as ``fsdp2lab bench``'s compute-only runs)."""
     world = runtime.world_size
-    _, micro = batch_sizes(cfg, world)
+    # The micro-batch of a data-parallel run of the same flags (the recipe's global batch too).
+    micro = resolve(dataclasses.replace(cfg, strategy="ddp"), world).micro_batch
     cfg = dataclasses.replace(cfg, global_batch_size=None, batch_size=micro)
     alone = dataclasses.replace(runtime, rank=0, world_size=1, local_rank=0)
 

@@ -10,6 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
+
+from fsdp2lab.runtime.distributed import Runtime
 
 FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 # Small, fast, exact: synthetic data, no dropout, fp32.
@@ -103,3 +107,13 @@ def assert_close_lists(a: list[float], b: list[float], tol: float) -> None:
     assert len(a) == len(b) and len(a) > 0, (len(a), len(b))
     worst = max(abs(x - y) for x, y in zip(a, b, strict=True))
     assert worst <= tol, f"max difference {worst:.3e} > {tol:.0e}\n{a}\n{b}"
+
+
+@pytest.fixture
+def one_rank(tmp_path: Path):
+    """A one-rank gloo process group in this process, as the trainer runs under."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'pg-store'}", rank=0, world_size=1
+    )
+    yield Runtime(0, 1, 0, torch.device("cpu"), "gloo")
+    dist.destroy_process_group()

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
@@ -20,7 +19,6 @@ from fsdp2lab.checkpoint.export import full_state_dict, read_model_weights
 from fsdp2lab.checkpoint.manager import CheckpointManager, choose_resume
 from fsdp2lab.config import TrainConfig, validate_basic
 from fsdp2lab.errors import UsageError
-from fsdp2lab.runtime.distributed import Runtime
 from fsdp2lab.training.trainer import Trainer
 
 # dcp.save/load in this process without a process group warn that they assume one process.
@@ -197,16 +195,6 @@ def test_flatten_names_entries_as_dcp_does(tmp_path: Path):
 
 
 # ---------------------------------------------------------------------------- with a trainer
-@pytest.fixture
-def one_rank(tmp_path: Path):
-    """A one-rank gloo process group in this process, as the trainer runs under."""
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'pg-store'}", rank=0, world_size=1
-    )
-    yield Runtime(0, 1, 0, torch.device("cpu"), "gloo")
-    dist.destroy_process_group()
-
-
 def _cfg(tmp_path: Path, **overrides) -> TrainConfig:
     values = dict(
         model="mlp",

@@ -21,8 +21,8 @@ def _evals(run) -> list[tuple[int, float]]:
     return [(r["step"], r["test_accuracy"]) for r in run.events("eval")]
 
 
-TUNED = {"optimizer": "adam", "lr": 2e-3, "dropout": 0.0}
-SEED = {"optimizer": "adadelta", "lr": None, "dropout": None}
+TUNED = {"optimizer": "adam", "lr": 2e-3, "dropout": 0.0, "global_batch_size": 128}
+SEED = {"optimizer": "adadelta", "lr": None, "dropout": None, "global_batch_size": None}
 
 
 @pytest.mark.parametrize(
@@ -35,16 +35,21 @@ SEED = {"optimizer": "adadelta", "lr": None, "dropout": None}
         ({"model": "mlp", "dataset": "mnist"}, SEED),
         # The user's values win; the optimizer and its learning rate come from the recipe only
         # together (a seed command's --lr 1.0 must not reach Adam).
-        ({"lr": 1.0}, {**SEED, "lr": 1.0, "dropout": 0.0}),
-        ({"optimizer": "sgd"}, {**SEED, "optimizer": "sgd", "dropout": 0.0}),
-        ({"dropout": 0.5, "global_batch_size": 32}, {**TUNED, "dropout": 0.5}),
+        ({"lr": 1.0}, {**TUNED, "optimizer": "adadelta", "lr": 1.0}),
+        ({"optimizer": "sgd"}, {**TUNED, "optimizer": "sgd", "lr": None}),
+        (
+            {"dropout": 0.5, "global_batch_size": 32},
+            {**TUNED, "dropout": 0.5, "global_batch_size": 32},
+        ),
+        # The seeds' per-rank --batch-size decides the global batch (32 x 2 ranks).
+        ({"batch_size": 32}, {**TUNED, "global_batch_size": None, "batch_size": 32}),
     ],
 )
 def test_recipe_fills_only_what_the_user_left_unset(given, want):
-    cfg = resolve(TrainConfig(**given), 2).cfg
-    assert {k: getattr(cfg, k) for k in want} == want
-    assert cfg.global_batch_size == given.get("global_batch_size")
-    assert resolve(cfg, 2).cfg == cfg  # resolving again changes nothing
+    plan = resolve(TrainConfig(**given), 2)
+    assert {k: getattr(plan.cfg, k) for k in want} == want
+    assert plan.global_batch == (want["global_batch_size"] or 64)
+    assert resolve(plan.cfg, 2).cfg == plan.cfg  # resolving again changes nothing
 
 
 def test_target_accuracy_stops_at_the_first_evaluation_at_or_above_it(tmp_path):

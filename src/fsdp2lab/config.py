@@ -80,7 +80,7 @@ class TrainConfig:
     num_workers: int = _opt(0, "data loader worker processes per rank")
     # batch and schedule
     global_batch_size: int | None = _opt(
-        None, "samples per optimizer step over all ranks (default 64)"
+        None, "samples per optimizer step over all ranks (default: the recipe's, else 64)"
     )
     batch_size: int | None = _opt(None, "per-rank micro-batch (the seeds' --batch-size)")
     test_batch_size: int = _opt(1000, "per-rank evaluation batch")
@@ -99,8 +99,8 @@ class TrainConfig:
     recipe: str = _opt(
         "tuned",
         "defaults for what you leave unset: tuned (the model's measured recipe for its dataset; "
-        "cnn on (Fashion-)MNIST: Adam lr 2e-3, dropout 0) | seed (the seed tutorial's: Adadelta "
-        "lr 1.0, StepLR 0.7, the model's dropout)",
+        "cnn on (Fashion-)MNIST: Adam lr 2e-3, dropout 0, global batch 128) | seed (the seed tutorial's: Adadelta "
+        "lr 1.0, StepLR 0.7, the model's dropout, global batch 64)",
         choices=RECIPES,
     )
     optimizer: str | None = _opt(

@@ -17,6 +17,11 @@ if TYPE_CHECKING:
 
 log = logs.get_logger(__name__)
 
+# On CPU the forward runs over pieces of this many samples of each test batch: the seed's 1000 a
+# rank put the cnn's activations (230 MB) out of the caches, and its evaluation took twice as
+# long (docs/speed.md, round 8). A GPU takes the whole batch.
+CPU_PIECE = 64
+
 
 def run(t: Trainer, epoch_end: bool) -> dict:
     """Evaluate at the current step; ``epoch_end`` prints the seed's line, else "at step N"."""
@@ -41,11 +46,10 @@ def evaluate(t: Trainer) -> dict:
     loss_sum, correct, count = 0.0, 0.0, 0.0
     for indices, valid in eval_shards(len(t.test_set), t.cfg.test_batch_size, t.dims.dp, t.dp_rank):
         x, y = t._to_device(t.test_set.__getitems__(indices))
-        with t._autocast():
-            out = t.model(x) if t.pipeline is None else t.pipeline.forward(x)
+        out = _forward(t, x)
         if out is None:  # a pipeline stage before the last one
             continue
-        out, y = logits_of(out)[:valid], y[:valid]
+        out, y = out[:valid], y[:valid]
         loss_sum += float(t._loss(out, y, reduction="sum"))
         correct += float((out.argmax(dim=-1) == y).sum())
         count += y.numel()
@@ -61,3 +65,13 @@ def evaluate(t: Trainer) -> dict:
         "correct": int(round(correct)),
         "count": int(round(count)),
     }
+
+
+def _forward(t: Trainer, x: torch.Tensor) -> torch.Tensor | None:
+    """The logits of a test batch (None on a pipeline stage before the last)."""
+    with t._autocast():
+        if t.pipeline is not None:
+            out = t.pipeline.forward(x)
+            return None if out is None else logits_of(out)
+        piece = CPU_PIECE if x.device.type == "cpu" else len(x)
+        return torch.cat([logits_of(t.model(p)) for p in x.split(piece)])
