@@ -73,5 +73,6 @@ def _forward(t: Trainer, x: torch.Tensor) -> torch.Tensor | None:
         if t.pipeline is not None:
             out = t.pipeline.forward(x)
             return None if out is None else logits_of(out)
-        piece = CPU_PIECE if x.device.type == "cpu" else len(x)
-        return torch.cat([logits_of(t.model(p)) for p in x.split(piece)])
+        if x.device.type != "cpu" or len(x) <= CPU_PIECE:
+            return logits_of(t.model(x))
+        return torch.cat([logits_of(t.model(p)) for p in x.split(CPU_PIECE)])
