@@ -17,6 +17,44 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+# The packages from the bottom up: a module imports only from its own level or below, type-only
+# imports (``if TYPE_CHECKING:``) included. Where a lower package needs the shape of a higher
+# object (checkpoint/ of the trainer, parallel/ of the run plan) it declares a ``Protocol``.
+LEVELS = [
+    {"errors", "tomlio", "config"},
+    {"runtime"},
+    {"models"},
+    {"parallel"},
+    {"data"},
+    {"checkpoint"},
+    {"plan"},
+    {"training"},
+    {"bench"},
+    {"cli", "__main__"},
+]
+
+
+def _level(module: str) -> int:
+    top = module.split(".")[1] if "." in module else ""
+    (level,) = [i for i, names in enumerate(LEVELS) if top in names]
+    return level
+
+
+def imports_of(source: str, modules, type_only: bool = True) -> set[str]:
+    """The fsdp2lab modules ``source`` imports anywhere in its code (lazy imports too; those
+    under ``if TYPE_CHECKING:`` only with ``type_only``)."""
+    targets: set[str] = set()
+    tree = ast.parse(source)
+    for node in ast.walk(tree) if type_only else _runtime_nodes(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:  # ``from fsdp2lab.parallel import pp`` imports a module
+                sub = f"{node.module}.{alias.name}"
+                targets.add(sub if sub in modules else node.module)
+        elif isinstance(node, ast.Import):
+            targets.update(a.name for a in node.names)
+    return {t for t in targets if t in modules}
+
+
 def _runtime_nodes(tree: ast.AST):
     """Every node, except those under ``if TYPE_CHECKING:`` (annotations only, never run)."""
     for node in ast.iter_child_nodes(tree):
@@ -26,28 +64,30 @@ def _runtime_nodes(tree: ast.AST):
         yield from _runtime_nodes(node)
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the fsdp2lab modules it imports, anywhere in its code (lazy imports too)."""
+def import_graph(type_only: bool = True) -> dict[str, set[str]]:
+    """Module -> the fsdp2lab modules it imports."""
     modules = {_module_name(p): p for p in SRC.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
-        targets: set[str] = set()
-        for node in _runtime_nodes(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                base = node.module
-                for alias in node.names:  # ``from fsdp2lab.parallel import pp`` imports a module
-                    sub = f"{base}.{alias.name}"
-                    targets.add(sub if sub in modules else base)
-            elif isinstance(node, ast.Import):
-                targets.update(a.name for a in node.names)
+        targets = imports_of(path.read_text(), modules, type_only) - {name}
         if path.name == "__init__.py":  # a package's own submodules are not a circle
             targets = {t for t in targets if not t.startswith(f"{name}.")}
-        graph[name] = {t for t in targets if t in modules and t != name}
+        graph[name] = targets
     return graph
 
 
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return [
+        (module, target)
+        for module, targets in graph.items()
+        if module != "fsdp2lab"
+        for target in targets
+        if target != "fsdp2lab" and _level(target) > _level(module)
+    ]
+
+
 def test_no_import_circle():
-    graph = import_graph()
+    graph = import_graph(type_only=False)  # annotations may name each other
     state: dict[str, int] = {}  # 1: on the path, 2: done
 
     def visit(node: str, path: list[str]) -> None:
@@ -65,26 +105,29 @@ def test_no_import_circle():
             visit(node, [node])
 
 
-def test_arrows_point_down():
-    """Low packages never import high ones; checkpoint/ and runtime/ never import the trainer."""
-    graph = import_graph()
-    high = {"fsdp2lab.cli", "fsdp2lab.bench", "fsdp2lab.plan"}
-    for module, targets in graph.items():
-        if module.startswith(("fsdp2lab.cli", "fsdp2lab.bench", "fsdp2lab.__main__")):
-            continue
-        for target in targets:
-            assert not any(target.startswith(h) for h in high - {"fsdp2lab.plan"}), (module, target)
-            if module.startswith(("fsdp2lab.checkpoint", "fsdp2lab.runtime")):
-                # hooks and guards, never the loop that runs them
-                assert target not in ("fsdp2lab.training.trainer", "fsdp2lab.training.session"), (
-                    module,
-                    target,
-                )
-            if module.startswith(("fsdp2lab.parallel", "fsdp2lab.models", "fsdp2lab.data")):
-                assert not target.startswith(("fsdp2lab.training", "fsdp2lab.plan")), (
-                    module,
-                    target,
-                )
+def test_every_package_has_a_level():
+    tops = {p.stem if p.is_file() else p.name for p in SRC.iterdir()}
+    tops -= {"__init__", "__pycache__", "py"}
+    placed = set().union(*LEVELS)
+    assert {t for t in tops if not t.endswith(".typed")} <= placed, tops - placed
+
+
+def test_arrows_point_down_between_packages():
+    """No module imports from a package above its own, not even for a type annotation."""
+    assert not upward_imports(import_graph())
+
+
+def test_the_architecture_check_sees_a_type_only_upward_import():
+    """The check above can fail: checkpoint/ naming the trainer in an annotation is caught."""
+    modules = {"fsdp2lab.checkpoint.state", "fsdp2lab.training.trainer"}
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from fsdp2lab.training.trainer import Trainer\n"
+    )
+    graph = {"fsdp2lab.checkpoint.state": imports_of(source, modules)}
+    assert upward_imports(graph) == [("fsdp2lab.checkpoint.state", "fsdp2lab.training.trainer")]
+    assert imports_of(source, modules, type_only=False) == set()
 
 
 def test_parallel_names_no_model():

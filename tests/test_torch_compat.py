@@ -6,8 +6,6 @@ In-process, on a one-rank gloo group; the pipeline tests run a one-stage pipelin
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from datetime import timedelta
 
 import pytest
@@ -20,9 +18,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 from torch.distributed.tensor import DTensor
 
-from conftest import cli_env
 from fsdp2lab.parallel.fsdp2 import apply_fsdp
-from fsdp2lab.parallel.gloo_ring import RingAllGather, RingReduceScatter, use_ring_collectives
 from fsdp2lab.runtime import torch_compat
 from fsdp2lab.runtime.torch_compat import (
     cuda_memory_history,
@@ -76,55 +72,6 @@ def test_notice_is_printed_once_and_only_on_rank_0(monkeypatch, capsys):
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     notice("other", "not on rank 1")
     assert capsys.readouterr().out == ""
-
-
-# ------------------------------------------------------------------- custom collectives
-def test_ring_collectives_are_installed_where_fsdp2_takes_them(mesh, capsys):
-    supported = hasattr(FSDPModule, "set_custom_all_gather")
-    assert use_ring_collectives(_sharded(mesh)) is supported
-    assert _lines(capsys.readouterr().out, "takes no custom collectives") == (not supported)
-
-
-@pytest.mark.parametrize("missing", ["fsdp_api", "setter"])
-def test_without_custom_collectives_gloo_runs_its_own_and_says_so_once(
-    mesh, monkeypatch, capsys, missing
-):
-    if missing == "fsdp_api":  # the private interfaces cannot be imported
-        monkeypatch.setattr(torch_compat, "_AllGather", None)
-    else:  # FSDP2 has no set_custom_all_gather
-        monkeypatch.delattr(FSDPModule, "set_custom_all_gather", raising=False)
-    model = _sharded(mesh)
-    assert use_ring_collectives(model) is False
-    assert use_ring_collectives(_sharded(mesh)) is False
-    out = capsys.readouterr().out
-    assert _lines(out, "takes no custom collectives") == 1, out
-    assert "not the ring ones" in out
-    # Still trains: gloo's own collectives.
-    model(torch.randn(3, 4)).sum().backward()
-    assert all(p.grad is not None for p in model.parameters())
-
-
-def test_the_ring_imports_without_the_private_fsdp_api():
-    code = (
-        "import sys, torch.distributed.fsdp\n"
-        "sys.modules['torch.distributed.fsdp._fully_shard._fsdp_api'] = None\n"
-        "from fsdp2lab.parallel import fsdp2, gloo_ring\n"
-        "from fsdp2lab.runtime import torch_compat\n"
-        "assert torch_compat.AllGatherBase is object and torch_compat.ReduceScatterBase is object\n"
-        "assert gloo_ring.RingAllGather.__mro__[-1] is object\n"
-        "print('imported')\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), timeout=120
-    )
-    assert proc.returncode == 0 and "imported" in proc.stdout, proc.stderr[-2000:]
-
-
-def test_ring_classes_implement_torchs_interfaces_where_it_has_them():
-    if torch_compat._AllGather is None:
-        pytest.skip("this torch has no FSDP2 custom-collective interfaces")
-    assert isinstance(RingAllGather(), torch_compat._AllGather)
-    assert isinstance(RingReduceScatter(), torch_compat._ReduceScatter)
 
 
 def test_fsdp2_on_gloo_asks_for_sum_reductions_only(mesh, monkeypatch):
@@ -350,12 +297,13 @@ def test_process_groups_listed_else_the_default_one_with_a_notice(mesh, monkeypa
 
 
 def test_memory_snapshot_refused_up_front_without_the_cuda_memory_history(monkeypatch):
+    from fsdp2lab.config import TrainConfig
     from fsdp2lab.errors import UsageError
-    from fsdp2lab.training.memory_snapshot import check_available
+    from fsdp2lab.plan import check_machine, resolve
 
     assert cuda_memory_history() is not None  # present (private) in every supported torch
     monkeypatch.delattr(torch.cuda.memory, "_dump_snapshot")
     assert cuda_memory_history() is None
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    plan = resolve(TrainConfig(model="mlp", memory_snapshot="snap.pickle"), 1, device_type="cuda")
     with pytest.raises(UsageError, match="no torch.cuda.memory._record_memory_history"):
-        check_available("cuda")
+        check_machine(plan)

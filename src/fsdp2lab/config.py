@@ -31,6 +31,7 @@ SCHEDULERS = ("step", "cosine", "constant")
 PRECISIONS = ("fp32", "bf16", "fp16")
 AC_MODES = ("none", "full", "selective")
 RECIPES = ("tuned", "seed")
+DEFAULT_LR = {"adadelta": 1.0, "adam": 1e-3, "adamw": 1e-3, "sgd": 0.01}
 # A recipe's values that only make sense together: set one of them and the recipe sets none.
 _RECIPE_GROUPS = (("optimizer", "lr"),)
 
@@ -129,22 +130,16 @@ class TrainConfig:
         0, "explicit FSDP2 prefetch: all-gather N units ahead (0: FSDP2's default)"
     )
     fsdp_units: str = _opt(
-        "auto",
-        "FSDP2 units: auto (consecutive layer units grouped to >= --fsdp-unit-min-params "
-        "parameters) | layer (one fully_shard per layer unit) | root (the whole model as one)",
+        "layer",
+        "FSDP2 units: layer (one fully_shard per layer unit) | auto (consecutive layer units "
+        "grouped to >= --fsdp-unit-min-params parameters: fewer collectives for tiny models) | "
+        "root (the whole model as one)",
         choices=("auto", "layer", "root"),
     )
     fsdp_unit_min_params: int | None = _opt(
         None,
         "--fsdp-units auto: fewest parameters per unit, a smaller rest joins the last "
         "(default: 4,000,000 on CPU/gloo, 1,000,000 on GPU)",
-    )
-    gloo_collectives: str = _opt(
-        "shm",
-        "FSDP2 on CPU/gloo: shm (all-gather and reduce-scatter through shared memory where a "
-        "group's ranks share a host, else ring) | ring (point-to-point rings) | builtin (gloo's "
-        "own; its reduce-scatter all-reduces the whole input)",
-        choices=("shm", "ring", "builtin"),
     )
     activation_checkpointing: str = _opt(
         "none",
@@ -190,8 +185,9 @@ class TrainConfig:
     )
     host_malloc: str = _opt(
         "cached",
-        "host memory a rank frees: cached (kept for the next step's tensors: no page faults per "
-        "step; glibc, unless you tuned malloc yourself) | system (the C library's defaults)",
+        "CPU runs: host memory a rank frees: cached (kept for the next step's tensors: no page "
+        "faults per step; glibc, unless you tuned malloc yourself) | system (the C library's "
+        "defaults)",
         choices=("cached", "system"),
     )
     on_nan: str = _opt(
@@ -270,10 +266,10 @@ class TrainConfig:
             recipe.pop("global_batch_size", None)
         recipe.setdefault("optimizer", "adadelta")
         unset = {k: v for k, v in recipe.items() if getattr(self, k) is None}
-        return dataclasses.replace(self, **unset) if unset else self
-
-    def default_lr(self) -> float:
-        return {"adadelta": 1.0, "adam": 1e-3, "adamw": 1e-3, "sgd": 0.01}[self.optimizer]
+        cfg = dataclasses.replace(self, **unset) if unset else self
+        if cfg.lr is None:
+            cfg = dataclasses.replace(cfg, lr=DEFAULT_LR[cfg.optimizer])
+        return cfg
 
     def to_toml(self) -> str:
         """The resolved config as TOML (what ``--config`` reads back); unset keys are comments."""
@@ -282,6 +278,11 @@ class TrainConfig:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+# Keys that older configs may hold, and why they are gone: a usage error that says so.
+RETIRED = {
+    "gloo_collectives": "FSDP2 on CPU uses gloo's own all-gather and reduce-scatter (the "
+    "shared-memory and ring collectives are gone: they could not work across hosts)",
+}
 _DEFAULT = "<default>"  # a flag given without its optional value
 
 
@@ -301,6 +302,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config", metavar="FILE.toml", help="TOML file of config keys (flags override it)"
     )
+    for name in RETIRED:  # accepted only to say why it is gone
+        parser.add_argument("--" + name.replace("_", "-"), help=argparse.SUPPRESS)
     for name, f in _FIELDS.items():
         flag = "--" + name.replace("_", "-")
         kind = _field_type(f)
@@ -336,6 +339,8 @@ def load_toml(path: str) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for key, value in data.items():
         name = key.replace("-", "_")
+        if name in RETIRED:
+            raise UsageError(f"config file {path}: {key} is no longer read: {RETIRED[name]}")
         if name not in _FIELDS:
             known = ", ".join(sorted(_FIELDS))
             raise UsageError(f"config file {path}: unknown key {key!r} (known keys: {known})")
@@ -355,6 +360,9 @@ def load_toml(path: str) -> dict[str, Any]:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """Merge defaults, the TOML file and the flags into a validated TrainConfig."""
+    for name in RETIRED:
+        if getattr(args, name, None) is not None:
+            raise UsageError(f"--{name.replace('_', '-')} is no longer read: {RETIRED[name]}")
     values: dict[str, Any] = {}
     if getattr(args, "config", None):
         values.update(load_toml(args.config))

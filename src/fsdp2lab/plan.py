@@ -1,10 +1,14 @@
 """The run plan: every check and derivation of a run, done once, into one immutable object.
 
 ``resolve(cfg, world_size)`` checks the flags against the world size and the model, derives the
-mesh degrees, batch sizes, sharding units and pipeline stages, and builds the model once on the
-meta device (no memory) to read them from. The launcher resolves before any worker starts, so bad
-input is one message and exit code 2; each worker resolves its own plan once, and the trainer,
-the strategies and ``bench`` read it.
+device type, mesh degrees, batch sizes, learning rate, sharding units and pipeline stages, and
+builds the model once on the meta device (no memory) to read them from. It does not look at the
+machine it runs on beyond whether CUDA is there (``device_type`` fixes even that), so it plans a
+cluster's run as well as this one. ``check_machine(plan)`` then checks what this machine must
+provide (a writable checkpoint folder, a compiler for ``--compile``, CUDA for
+``--memory-snapshot``); ``resolve_here`` does both. The launcher resolves before any worker
+starts, so bad input is one message and exit code 2; each worker resolves its own plan once, and
+the trainer, the strategies and ``bench`` read it.
 """
 
 from __future__ import annotations
@@ -25,12 +29,14 @@ from fsdp2lab.parallel import model_parallel, pp, tp
 from fsdp2lab.parallel.compile import check_compile_support
 from fsdp2lab.parallel.strategies import Strategy, get_strategy
 from fsdp2lab.runtime.mesh import ParallelDims
+from fsdp2lab.runtime.torch_compat import cuda_memory_history
 
 
 @dataclass(frozen=True)
 class RunPlan:
     cfg: TrainConfig
     world_size: int
+    device_type: str  # "cuda" or "cpu"
     strategy: Strategy
     dims: ParallelDims
     global_batch: int  # samples per optimizer step, all ranks
@@ -46,8 +52,11 @@ class RunPlan:
     meta_model: nn.Module = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
 
 
-def resolve(cfg: TrainConfig, world_size: int) -> RunPlan:
-    """Check ``cfg`` against ``world_size`` and the model; UsageError names the first problem."""
+def resolve(cfg: TrainConfig, world_size: int, device_type: str | None = None) -> RunPlan:
+    """Check ``cfg`` against ``world_size`` and the model; UsageError names the first problem.
+
+    ``device_type`` ("cuda" or "cpu"): the devices the ranks will have (default: CUDA where
+    ``--device`` allows it and this machine has it)."""
     strategy = get_strategy(cfg.strategy)
     if strategy.max_world_size is not None and world_size > strategy.max_world_size:
         raise UsageError(
@@ -68,14 +77,6 @@ def resolve(cfg: TrainConfig, world_size: int) -> RunPlan:
             f"--activation-checkpointing and --compile work with --strategy fsdp2, ddp and "
             f"single, not {cfg.strategy}"
         )
-    if cfg.compile:
-        reason = check_compile_support(_device_type(cfg.device))
-        if reason:
-            raise UsageError(reason)
-    if cfg.memory_snapshot:
-        from fsdp2lab.training.memory_snapshot import check_available
-
-        check_available(cfg.device)
     dims = ParallelDims.resolve(world_size, cfg.dp_replicate, cfg.dp_shard, cfg.tp, cfg.pp)
     spec = get_spec(cfg.model, cfg)
     cfg = cfg.with_recipe(spec.recipes.get(_dataset(cfg, spec), {}))
@@ -108,13 +109,10 @@ def resolve(cfg: TrainConfig, world_size: int) -> RunPlan:
         n_groups = model_parallel.group_count(cfg.device, len(units))
         stages = pp.split(spec, model, units, n_groups, "--strategy model-parallel")
 
-    if cfg.ckpt_dir:
-        from fsdp2lab.checkpoint.layout import check_writable
-
-        check_writable(cfg.ckpt_dir)
     return RunPlan(
         cfg=cfg,
         world_size=world_size,
+        device_type=device_type or _device_type(cfg.device),
         strategy=strategy,
         dims=dims,
         global_batch=global_batch,
@@ -127,6 +125,36 @@ def resolve(cfg: TrainConfig, world_size: int) -> RunPlan:
         loss=_loss(cfg, spec),
         meta_model=model,
     )
+
+
+def check_machine(plan: RunPlan) -> None:
+    """What this machine must provide for ``plan``: UsageError names the first thing missing."""
+    cfg = plan.cfg
+    if cfg.compile:
+        reason = check_compile_support(plan.device_type)
+        if reason:
+            raise UsageError(reason)
+    if cfg.memory_snapshot and plan.device_type != "cuda":
+        raise UsageError(
+            "--memory-snapshot needs a CUDA device (torch.cuda.memory); this run trains on CPU. "
+            "On CPU, the summary and --tensorboard show peak RSS and its growth per rank"
+        )
+    if cfg.memory_snapshot and cuda_memory_history() is None:
+        raise UsageError(
+            "--memory-snapshot: this torch has no torch.cuda.memory._record_memory_history / "
+            "_dump_snapshot"
+        )
+    if cfg.ckpt_dir:
+        from fsdp2lab.checkpoint.layout import check_writable
+
+        check_writable(cfg.ckpt_dir)
+
+
+def resolve_here(cfg: TrainConfig, world_size: int) -> RunPlan:
+    """The run plan for ranks on this machine, and this machine's checks of it."""
+    plan = resolve(cfg, world_size)
+    check_machine(plan)
+    return plan
 
 
 def _dataset(cfg: TrainConfig, spec: ModelSpec) -> str:

@@ -42,7 +42,7 @@ def atomic_torch_save(obj, path: str | os.PathLike) -> None:
     """Write to a temporary file in the same folder, then rename: a crash never leaves half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = layout.temporary_name(path)
     torch.save(obj, tmp)
     os.replace(tmp, path)
 

@@ -52,9 +52,15 @@ def complete_folders(root: str | os.PathLike) -> list[Path]:
     return [p for p in step_folders(root) if is_complete(p)]
 
 
+def temporary_name(path: Path, kind: str = "tmp") -> Path:
+    """A hidden name beside ``path`` that no other process writes, on this host or another that
+    shares the folder (process ids repeat across hosts and PID namespaces; host names don't)."""
+    return path.with_name(f".{path.name}.{kind}-{os.uname().nodename}-{os.getpid()}")
+
+
 def _write_atomic(path: Path, text: str) -> None:
     """Write to a temporary file, flush it to disk, then rename it over ``path``."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temporary_name(path)
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
@@ -92,7 +98,7 @@ def read_latest(root: Path) -> str | None:
 
 def remove(path: Path) -> None:
     """Delete a step folder: renamed away first, so a crash never leaves half of a marked one."""
-    doomed = path.with_name(f".deleting-{path.name}-{os.getpid()}")
+    doomed = temporary_name(path, "deleting")
     os.replace(path, doomed)
     shutil.rmtree(doomed, ignore_errors=True)
 
@@ -117,7 +123,7 @@ def remove_unfinished(root: Path) -> list[Path]:
     doomed = [p for p in step_folders(root) if not is_complete(p)]
     for path in doomed:
         remove(path)
-    for leftover in root.glob(".deleting-step-*"):
+    for leftover in root.glob(".step-*.deleting-*"):
         shutil.rmtree(leftover, ignore_errors=True)
     return doomed
 
@@ -125,7 +131,7 @@ def remove_unfinished(root: Path) -> list[Path]:
 def check_writable(root: str | os.PathLike) -> None:
     """Create ``root`` if needed and write a file in it: a UsageError now, not at the first save."""
     root = Path(root)
-    probe = root / f".write-test-{os.uname().nodename}-{os.getpid()}"
+    probe = temporary_name(root / "write-test")
     try:
         root.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"fsdp2lab")

@@ -147,7 +147,7 @@ def write_safetensors(
         raise UsageError("safetensors export needs a little-endian machine")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = layout.temporary_name(path)
     try:
         with open(tmp, "wb") as f:
             f.write(header(entries, metadata))

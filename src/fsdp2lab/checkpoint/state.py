@@ -17,11 +17,12 @@ from __future__ import annotations
 import json
 import pickle
 from collections.abc import Mapping
-from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict, replace
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -30,17 +31,34 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim.lr_scheduler import LRScheduler
 
 from fsdp2lab.checkpoint.layout import Checkpoint
+from fsdp2lab.config import TrainConfig
 from fsdp2lab.errors import UsageError
-from fsdp2lab.training.hooks import TrainState
+from fsdp2lab.runtime.distributed import Runtime
 
 # Optimizer state keyed by parameter name (not by position in param_groups): the same keys
 # whatever the strategy or pipeline layout, so any layout can load what another saved.
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
-if TYPE_CHECKING:
-    from fsdp2lab.training.trainer import Trainer
+
+class Checkpointable(Protocol):
+    """What a checkpoint reads from a trainer and restores into it (``training.trainer.Trainer``)."""
+
+    plan: Any  # the run plan: dims, global batch, the model built on meta
+    cfg: TrainConfig
+    runtime: Runtime
+    device: torch.device
+    mesh: DeviceMesh
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: LRScheduler
+    state: Any  # a dataclass of counters (``training.hooks.TrainState``)
+    sampler: Any  # ``data.sampler.DistributedBatchSampler``
+    loader: Any  # a stateful data loader
+
 
 MODEL, OPTIM, SCHEDULER, TRAIN_STATE, RUN, RANKS = (
     "model",
@@ -53,7 +71,7 @@ MODEL, OPTIM, SCHEDULER, TRAIN_STATE, RUN, RANKS = (
 FULL_CONTENTS = [MODEL, OPTIM, SCHEDULER, TRAIN_STATE, RUN, RANKS]
 
 
-def run_info(trainer: Trainer) -> dict:
+def run_info(trainer: Checkpointable) -> dict:
     """How the run is set up: recorded in the checkpoint and its COMPLETE mark."""
     cfg, mesh = trainer.cfg, trainer.mesh
     info = {
@@ -61,8 +79,8 @@ def run_info(trainer: Trainer) -> dict:
         "strategy": cfg.strategy,
         "world_size": trainer.runtime.world_size,
         "mesh": {"names": list(mesh.mesh_dim_names or ()), "shape": list(mesh.shape)},
-        "dp": trainer.dims.dp,
-        "global_batch": trainer.global_batch,
+        "dp": trainer.plan.dims.dp,
+        "global_batch": trainer.plan.global_batch,
         "micro_batch_global": trainer.sampler.micro_global,
         "optimizer": cfg.optimizer,
         "scheduler": cfg.scheduler,
@@ -96,12 +114,12 @@ def hf_config_of(model: torch.nn.Module) -> dict | None:
         return None
 
 
-def marker_info(trainer: Trainer) -> dict:
+def marker_info(trainer: Checkpointable) -> dict:
     """What the COMPLETE mark says about a checkpoint of ``trainer`` (for ``ckpt info``)."""
     return {**asdict(trainer.state), **run_info(trainer), "contents": FULL_CONTENTS}
 
 
-def _rank_state(trainer: Trainer) -> dict:
+def _rank_state(trainer: Checkpointable) -> dict:
     state: dict[str, Any] = {"rng_cpu": torch.get_rng_state()}
     if trainer.device.type == "cuda":
         state["rng_cuda"] = torch.cuda.get_rng_state(trainer.device)
@@ -111,17 +129,13 @@ def _rank_state(trainer: Trainer) -> dict:
     return state
 
 
-def capture(trainer: Trainer, scheduler_state: dict | None = None) -> dict:
-    """The state dict to save. Tensors alias the live ones: save (or stage) it before training on.
-
-    ``scheduler_state`` replaces the live scheduler's state where that has moved on since the
-    step (the trainer steps an epoch scheduler also when it stops mid-epoch).
-    """
+def capture(trainer: Checkpointable) -> dict:
+    """The state dict to save. Tensors alias the live ones: save (or stage) it before training on."""
     model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=OPTIONS)
     return {
         MODEL: model_sd,
         OPTIM: optim_sd,
-        SCHEDULER: scheduler_state or trainer.scheduler.state_dict(),
+        SCHEDULER: trainer.scheduler.state_dict(),
         TRAIN_STATE: asdict(trainer.state),
         RUN: json.dumps(run_info(trainer)),
         RANKS: {str(trainer.runtime.rank): _rank_state(trainer)},
@@ -134,7 +148,7 @@ def saved_run(ckpt: Checkpoint) -> dict:
 
 
 # ---------------------------------------------------------------------------- loading
-def template(trainer: Trainer, ckpt: Checkpoint) -> dict:
+def template(trainer: Checkpointable, ckpt: Checkpoint) -> dict:
     """The state dict to load into: the live tensors (DCP loads in place) and placeholders."""
     if OPTIM not in ckpt.contents:  # weights only (an imported state dict)
         return {MODEL: get_model_state_dict(trainer.model)}
@@ -151,7 +165,7 @@ def template(trainer: Trainer, ckpt: Checkpoint) -> dict:
     return state
 
 
-def own_rank_keys(trainer: Trainer, ckpt: Checkpoint) -> dict:
+def own_rank_keys(trainer: Checkpointable, ckpt: Checkpoint) -> dict:
     """Placeholders for this rank's saved entry, where the checkpoint has one to read."""
     prefix = f"{RANKS}.{trainer.runtime.rank}."
     saved = {k[len(prefix) :] for k in ckpt.metadata.state_dict_metadata if k.startswith(prefix)}
@@ -165,7 +179,7 @@ def own_rank_keys(trainer: Trainer, ckpt: Checkpoint) -> dict:
     return mine
 
 
-def apply(trainer: Trainer, loaded: dict) -> None:
+def apply(trainer: Checkpointable, loaded: dict) -> None:
     """Put loaded model, optimizer, scheduler and train state into ``trainer``."""
     if OPTIM not in loaded:
         set_model_state_dict(trainer.model, loaded[MODEL])
@@ -183,16 +197,16 @@ def apply(trainer: Trainer, loaded: dict) -> None:
         trainer.optimizer.param_groups, trainer.scheduler.get_last_lr(), strict=True
     ):
         group["lr"] = lr
-    trainer.state = TrainState(**loaded[TRAIN_STATE])
+    trainer.state = replace(trainer.state, **loaded[TRAIN_STATE])
 
 
-def restore_rng(trainer: Trainer, rank_state: dict) -> None:
+def restore_rng(trainer: Checkpointable, rank_state: dict) -> None:
     torch.set_rng_state(rank_state["rng_cpu"])
     if "rng_cuda" in rank_state:
         torch.cuda.set_rng_state(rank_state["rng_cuda"], trainer.device)
 
 
-def reseed_rng(trainer: Trainer) -> None:
+def reseed_rng(trainer: Checkpointable) -> None:
     """A deterministic fresh RNG stream per rank, for a resume where saved streams do not map."""
     seed = trainer.cfg.seed * 1_000_003 + trainer.state.step * 1000 + trainer.runtime.rank
     torch.manual_seed(seed)
@@ -245,7 +259,7 @@ def _shape(value: Any) -> list[int] | None:
     return list(value.shape) if isinstance(value, torch.Tensor) else None
 
 
-def check_fits(trainer: Trainer, ckpt: Checkpoint, state: dict) -> None:
+def check_fits(trainer: Checkpointable, ckpt: Checkpoint, state: dict) -> None:
     """A UsageError (the same on every rank) when the checkpoint does not fit this run.
 
     ``state`` is this rank's template without its per-rank entry. Under pipeline parallelism

@@ -32,7 +32,7 @@ def default_nproc(cfg: TrainConfig) -> int:
 
 
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
-    from fsdp2lab.plan import resolve
+    from fsdp2lab.plan import resolve_here
     from fsdp2lab.runtime import distributed, host_memory, launch_env, local_launcher, logs
     from fsdp2lab.runtime.worker import run_rank
 
@@ -42,7 +42,7 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         logs.setup(cfg.log_level, launch.rank)
         if launch.mode == "standalone":
             nproc = cfg.nproc_per_node or default_nproc(cfg)
-            plan = resolve(cfg, nproc)
+            plan = resolve_here(cfg, nproc)
             # Find or download the data once, before the workers start (they then find it on disk).
             from fsdp2lab.data.loader import choose
 
@@ -53,14 +53,15 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
                 "standalone", 0, 1, 0, "127.0.0.1", local_launcher.free_port()
             )
         else:
-            plan = resolve(cfg, launch.world_size)
+            plan = resolve_here(cfg, launch.world_size)
     except UsageError as e:
         if launch_env.detect().rank == 0:
             return error(str(e))
         return USAGE_EXIT_CODE
-    applied = host_memory.configure(cfg.host_malloc)
-    if launch.rank == 0:
-        logs.get_logger(__name__).debug(f"fsdp2lab: {applied}")
+    if plan.device_type == "cpu":
+        applied = host_memory.configure(cfg.host_malloc)
+        if launch.rank == 0:
+            logs.get_logger(__name__).debug(f"fsdp2lab: {applied}")
     code = run_rank(launch, cfg.device, _train_on_rank(plan), cfg.collective_timeout)
     distributed.exit_process(code)
 

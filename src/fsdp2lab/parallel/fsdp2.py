@@ -17,9 +17,7 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
-from fsdp2lab.parallel.gloo_ring import use_ring_collectives
 from fsdp2lab.parallel.precision import DTYPES
-from fsdp2lab.parallel.shm_collectives import use_shm_collectives
 from fsdp2lab.runtime.torch_compat import set_unshard_async_op
 
 
@@ -46,9 +44,8 @@ def apply_fsdp(
     cpu_offload: bool = False,
     prefetch: int = 0,
     device: torch.device | None = None,
-    unit_policy: str = "auto",
+    unit_policy: str = "layer",
     unit_min_params: int | None = None,
-    gloo_collectives: str = "shm",
 ) -> nn.Module:
     """Shard the units (grouped by ``unit_policy``), then the root, which takes the parameters
     no unit holds. The root and the last unit keep their parameters gathered from forward to
@@ -56,9 +53,7 @@ def apply_fsdp(
 
     ``prefetch`` > 0 sets explicit prefetching: each unit's forward all-gathers the next
     ``prefetch`` units, and its backward the previous ones (on CPU, asynchronously, so that they
-    overlap compute). On CPU, ``gloo_collectives`` replaces gloo's all-gather and reduce-scatter:
-    ``"shm"`` with :mod:`fsdp2lab.parallel.shm_collectives` (ranks on one host; the rings
-    elsewhere), ``"ring"`` with the rings of :mod:`fsdp2lab.parallel.gloo_ring`.
+    overlap compute).
     """
     kwargs = dict(
         mesh=dp_mesh,
@@ -83,10 +78,6 @@ def apply_fsdp(
     )
     if dp_mesh.device_type == "cpu":
         reduce_with_sum(model)
-        if gloo_collectives == "shm":
-            use_shm_collectives(model)
-        elif gloo_collectives == "ring":
-            use_ring_collectives(model)
     if prefetch > 0:
         set_prefetch([g[0] for g in groups], prefetch)
         if dp_mesh.device_type == "cpu":
@@ -101,7 +92,7 @@ def reduce_with_sum(model: nn.Module) -> None:
 
     For fp32/bf16 gradients FSDP2 asks the process group for ReduceOp.AVG, which gloo has got
     silently wrong (pytorch#162338: torch 2.8's gloo reduce-scatter returns the sum; 2.7's too, and
-    its all-reduce refuses AVG). With this, the reduce-scatter (gloo's or the ring) and HSDP's
+    its all-reduce refuses AVG). With this, the reduce-scatter and HSDP's
     all-reduce get SUM, and FSDP2 divides by the data-parallel size afterwards.
     """
     for module in model.modules():

@@ -4,9 +4,8 @@ Each rank holds only shards of the gradients, so a local norm would be wrong. Th
 computed on the DTensors (a partial norm reduced over the mesh with ``full_tensor``), so it equals the
 norm single-process training computes on the full gradients. Where every gradient is sharded over
 one 1-D mesh (plain FSDP) the squares of the local shards' norm are summed over the mesh's group
-directly, through shared memory between CPU ranks on one host (``host_collectives``): 0.6-1 ms
-less a norm on 2 CPU ranks (``scripts/compare_grad_norm.py``). Pipeline stages hold disjoint
-parameters, so their squared norms are summed over the stages' group.
+directly, one all-reduce of one element. Pipeline stages hold disjoint parameters, so their
+squared norms are summed over the stages' group.
 """
 
 from __future__ import annotations
@@ -14,8 +13,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
-
-from fsdp2lab.parallel import host_collectives
 
 
 def _sharded_norm(grads: list[torch.Tensor]) -> torch.Tensor | None:
@@ -28,7 +25,8 @@ def _sharded_norm(grads: list[torch.Tensor]) -> torch.Tensor | None:
         return None
     local = torch.nn.utils.get_total_norm([g.to_local() for g in grads], norm_type=2.0)
     squares = local.float().reshape(1) ** 2
-    return host_collectives.all_reduce(squares, group=mesh.get_group()).sqrt()[0]
+    dist.all_reduce(squares, group=mesh.get_group())
+    return squares.sqrt()[0]
 
 
 def total_grad_norm(parameters, pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -10,22 +10,33 @@ import contextlib
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from fsdp2lab.config import TrainConfig
 from fsdp2lab.errors import UsageError
 from fsdp2lab.models.materialize import init_weights, to_empty
+from fsdp2lab.models.spec import ModelSpec
 from fsdp2lab.parallel import ddp, fsdp1, fsdp2, model_parallel, pp, tp
 from fsdp2lab.parallel.activation_checkpoint import apply_activation_checkpointing
 from fsdp2lab.parallel.compile import compile_units
 from fsdp2lab.parallel.grad_norm import clip_grad_norm_
-from fsdp2lab.runtime.mesh import dp_mesh
+from fsdp2lab.runtime.mesh import ParallelDims, dp_mesh
 
-if TYPE_CHECKING:
-    from fsdp2lab.plan import RunPlan
+
+class RunPlan(Protocol):
+    """What parallelising reads of the run plan (``fsdp2lab.plan.RunPlan``)."""
+
+    cfg: TrainConfig
+    dims: ParallelDims
+    spec: ModelSpec
+    strategy: Strategy
+    units: tuple[str, ...]  # the sharding (and AC, compile) units, by module name
+    stages: tuple[tuple[str, ...], ...]  # module names per pipeline stage or device
+    meta_model: nn.Module
 
 
 def _clip_grad_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor:
@@ -78,7 +89,6 @@ def _fsdp2(model: nn.Module, plan: RunPlan, mesh: DeviceMesh, device: torch.devi
         device=device,
         unit_policy=cfg.fsdp_units,
         unit_min_params=cfg.fsdp_unit_min_params,
-        gloo_collectives=cfg.gloo_collectives,
     )
 
 

@@ -1,13 +1,11 @@
-"""Fault injection for the drills in tests/test_faults.py; every fault is off unless its variable is set.
+"""Checkpoint faults for the drills in tests/test_faults.py; each is off unless its variable is set
+(the training faults are the hook in ``training/fault_drills.py``).
 
 | variable | effect |
 |---|---|
-| ``FSDP2LAB_FAIL_AT=RANK:STEP`` | that rank raises an error at the start of that step |
-| ``FSDP2LAB_NAN_AT=RANK:STEP`` | that rank's loss of that step is NaN (so are its gradients) |
 | ``FSDP2LAB_CKPT_CRASH_AT=RANK:STEP`` | that rank dies right after writing its shards of that step's save |
 | ``FSDP2LAB_CKPT_ENOSPC_AT=RANK:STEP`` | that rank's write of that step's save fails: "No space left" |
 | ``FSDP2LAB_CKPT_STALL_AT=RANK:STEP`` | that rank's write of that step's save hangs (a save in flight) |
-| ``FSDP2LAB_STEP_DELAY_S=S`` | every rank sleeps S seconds after each step (to signal or kill mid-run) |
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ import os
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed.checkpoint as dcp
 
 from fsdp2lab.runtime import logs
@@ -25,31 +22,19 @@ from fsdp2lab.runtime import logs
 log = logs.get_logger(__name__)
 
 
-def _at(name: str, rank: int, step: int) -> bool:
+def injected_at(name: str, rank: int, step: int) -> bool:
+    """Whether variable ``name`` (``RANK:STEP``) names this rank and step."""
     spec = os.environ.get(name)
     return bool(spec) and [int(v) for v in spec.split(":")] == [rank, step]
 
 
-def step_delay() -> float:
-    return float(os.environ.get("FSDP2LAB_STEP_DELAY_S", "0") or 0)
-
-
-def before_step(rank: int, step: int) -> None:
-    if _at("FSDP2LAB_FAIL_AT", rank, step):
-        raise RuntimeError(f"injected failure on rank {rank} at step {step} (FSDP2LAB_FAIL_AT)")
-
-
-def poison_loss(loss: torch.Tensor, rank: int, step: int) -> torch.Tensor:
-    return loss * float("nan") if _at("FSDP2LAB_NAN_AT", rank, step) else loss
-
-
 def checkpoint_writer(path: Path, rank: int, step: int) -> dcp.FileSystemWriter:
     """DCP's file writer, or one that fails as asked for this rank and step."""
-    if _at("FSDP2LAB_CKPT_CRASH_AT", rank, step):
+    if injected_at("FSDP2LAB_CKPT_CRASH_AT", rank, step):
         return _CrashAfterWrite(path)
-    if _at("FSDP2LAB_CKPT_ENOSPC_AT", rank, step):
+    if injected_at("FSDP2LAB_CKPT_ENOSPC_AT", rank, step):
         return _DiskFull(path)
-    if _at("FSDP2LAB_CKPT_STALL_AT", rank, step):
+    if injected_at("FSDP2LAB_CKPT_STALL_AT", rank, step):
         return _Stall(path)
     return dcp.FileSystemWriter(path)
 

@@ -20,8 +20,6 @@ FSDP2 gradients on gloo correct           2.8      FSDP2 asks for ReduceOp.AVG (
                                                    to 2.7: ``set_force_sum_reduction_for_comms``
                                                    (2.8) makes it SUM + divide
                                                    (``parallel.fsdp2.reduce_with_sum``)
-custom collectives (the gloo rings)       2.9      ``set_custom_all_gather``/``_fsdp_api``;
-                                                   before, gloo's own (``set_custom_collectives``)
 parallelize_module/distribute_tensor      2.7      ``src_data_rank``
 torch.distributed.fsdp public FSDP2       2.6      (earlier torch.distributed._composable.fsdp)
 pipelining step(finalize_gradients=)      2.15     before: ``pipeline_step`` shadows the stage
@@ -35,9 +33,6 @@ DCP get/set_state_dict, flatten_optim...  <=2.6    ``async_save(process_group=)`
                                                    async_checkpointer_type 2.7, async_stager 2.9)
 DeviceMesh slicing, ``_flatten``          <=2.6    private: ``flatten_mesh``
 FSDPModule._set_unshard_async_op          <=2.6    private: ``set_unshard_async_op``
-all_gather_single / reduce_scatter_single 2.14     2.14.1 warns that ``all_gather_into_tensor``/
-                                                   ``reduce_scatter_tensor`` are deprecated; where
-                                                   the new names are missing, the old ones
 torch.distributed.set_timeout             2.14     before: distributed_c10d._set_pg_timeout
                                                    (private, the same; ``set_group_timeout``)
 a gloo group's timeout, read             -        private ``options._timeout`` of its
@@ -91,51 +86,6 @@ def _takes(fn: Callable, name: str) -> bool:
         return name in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
-
-
-# ------------------------------------------------ tensor collectives (renamed in torch 2.14)
-all_gather_single: Callable[..., dist.Work | None] = getattr(
-    dist, "all_gather_single", dist.all_gather_into_tensor
-)
-reduce_scatter_single: Callable[..., dist.Work | None] = getattr(
-    dist, "reduce_scatter_single", dist.reduce_scatter_tensor
-)
-
-
-# ------------------------------------------------ FSDP2 custom collectives (torch 2.9)
-# FSDPModule.set_custom_all_gather / set_custom_reduce_scatter (public) take implementations of
-# these interfaces, which torch does not re-export.
-try:
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as _AllGather
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatter
-except ImportError:
-    _AllGather = _ReduceScatter = None
-
-# The bases of custom collectives: torch's interfaces where it has them, else ``object``.
-AllGatherBase: type = _AllGather or object
-ReduceScatterBase: type = _ReduceScatter or object
-
-
-def set_custom_collectives(
-    module: FSDPModule, all_gather: Any, reduce_scatter: Any, name: str = "custom"
-) -> bool:
-    """Give FSDP2 ``module`` these collectives; False, with a notice, where this torch cannot."""
-    if (
-        _AllGather is None
-        or _ReduceScatter is None
-        or not hasattr(module, "set_custom_all_gather")
-        or not hasattr(module, "set_custom_reduce_scatter")
-    ):
-        notice(
-            "custom-collectives",
-            f"this torch's FSDP2 takes no custom collectives (FSDPModule.set_custom_all_gather, "
-            f"torch >= 2.9): the process group's own all-gather and reduce-scatter run, not the "
-            f"{name} ones",
-        )
-        return False
-    module.set_custom_all_gather(all_gather)
-    module.set_custom_reduce_scatter(reduce_scatter)
-    return True
 
 
 # -------------------------------------------------------------- FSDP2 private methods

@@ -44,7 +44,9 @@ def evaluate(t: Trainer) -> dict:
     """Test loss and accuracy over the whole test set; loss, correct and count summed over ranks."""
     t.model.eval()
     loss_sum, correct, count = 0.0, 0.0, 0.0
-    for indices, valid in eval_shards(len(t.test_set), t.cfg.test_batch_size, t.dims.dp, t.dp_rank):
+    for indices, valid in eval_shards(
+        len(t.test_set), t.cfg.test_batch_size, t.plan.dims.dp, t.dp_rank
+    ):
         x, y = t._to_device(t.test_set.__getitems__(indices))
         out = _forward(t, x)
         if out is None:  # a pipeline stage before the last one

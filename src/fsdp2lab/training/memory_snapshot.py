@@ -7,9 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
-from fsdp2lab.errors import UsageError
 from fsdp2lab.runtime import logs
 from fsdp2lab.runtime.torch_compat import cuda_memory_history
 from fsdp2lab.training.hooks import Hooks
@@ -19,20 +16,6 @@ if TYPE_CHECKING:
 
 
 log = logs.get_logger(__name__)
-
-
-def check_available(device: str) -> None:
-    """A UsageError unless this run will train on CUDA (checked before any worker starts)."""
-    if device == "cpu" or not torch.cuda.is_available():
-        raise UsageError(
-            "--memory-snapshot needs a CUDA device (torch.cuda.memory); this run trains on CPU. "
-            "On CPU, the summary and --tensorboard show peak RSS and its growth per rank"
-        )
-    if cuda_memory_history() is None:
-        raise UsageError(
-            "--memory-snapshot: this torch has no torch.cuda.memory._record_memory_history / "
-            "_dump_snapshot"
-        )
 
 
 class MemorySnapshot(Hooks):

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp2lab.parallel import host_collectives
 from fsdp2lab.parallel.strategies import label
 
 if TYPE_CHECKING:
@@ -81,7 +81,9 @@ def per_rank(
     if world_size == 1:
         return {key: [value] for key, value in mine.items()}
     row = torch.tensor([float(v) for v in mine.values()], dtype=torch.float64, device=device)
-    columns = host_collectives.all_gather(row).t().tolist()
+    rows = [torch.empty_like(row) for _ in range(world_size)]
+    dist.all_gather(rows, row)
+    columns = torch.stack(rows).t().tolist()
     return {
         key: [int(v) for v in column] if isinstance(mine[key], int) else column
         for key, column in zip(mine, columns, strict=True)
@@ -118,14 +120,14 @@ def summarize(t: Trainer) -> dict:
     epochs_run = len(t.epoch_times)
     return {
         "strategy": t.cfg.strategy,
-        "label": label(t.cfg, t.dims),
+        "label": label(t.cfg, t.plan.dims),
         "world_size": t.runtime.world_size,
         "mesh": {"shape": list(t.mesh.shape), "names": list(t.mesh.mesh_dim_names)},
         "model": t.cfg.model,
         "dataset": t.data_choice.name,
         "mixed_precision": t.cfg.mixed_precision,
-        "global_batch_size": t.global_batch,
-        "params_total": t.params_total,
+        "global_batch_size": t.plan.global_batch,
+        "params_total": t.plan.params_total,
         **memory,  # per rank: peak memory, RSS growth or peak reserved, state bytes
         "final_test_loss": t.last_eval.get("test_loss", math.nan),
         "final_test_accuracy": t.last_eval.get("test_accuracy", math.nan),

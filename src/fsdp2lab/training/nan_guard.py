@@ -1,8 +1,7 @@
 """``--on-nan stop|skip``: a non-finite loss or gradient never reaches the weights or a checkpoint.
 
 Between backward and the optimizer step every rank checks its loss and its (local shards of the)
-gradients, and one all-reduce (MAX) of two flags makes the verdict global, so all ranks agree
-(through shared memory between CPU ranks on one host: ``parallel/host_collectives.py``).
+gradients, and one all-reduce (MAX) of two flags makes the verdict global, so all ranks agree.
 ``stop`` raises ``TrainingFailed`` before the update: no checkpoint of that step or later is saved,
 and ``--resume auto`` restarts from the newest one, all finite. ``skip`` drops the step's update
 (gradients zeroed; no optimizer or scheduler step) and says so; the step still counts.
@@ -19,7 +18,6 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from fsdp2lab.errors import TrainingFailed
-from fsdp2lab.parallel import host_collectives
 from fsdp2lab.runtime import logs
 from fsdp2lab.runtime.distributed import Runtime
 from fsdp2lab.training.hooks import Hooks
@@ -49,7 +47,7 @@ def _nonfinite(tensors, device: torch.device) -> torch.Tensor:
 
 def _on_any_rank(flags: torch.Tensor) -> list[bool]:
     if dist.is_initialized() and dist.get_world_size() > 1:
-        host_collectives.all_reduce(flags, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return [bool(f) for f in flags.tolist()]
 
 

@@ -21,7 +21,7 @@ def build_optimizer(params, cfg: TrainConfig, local_step: bool = True) -> torch.
 
 
 def _optimizer(params: list, cfg: TrainConfig) -> torch.optim.Optimizer:
-    lr = cfg.lr if cfg.lr is not None else cfg.default_lr()
+    lr = cfg.lr
     wd = cfg.weight_decay
     if cfg.optimizer == "adadelta":
         return torch.optim.Adadelta(params, lr=lr, weight_decay=wd)

@@ -31,7 +31,7 @@ class ProgressBar(Hooks):
     def epoch_started(self, trainer: Trainer) -> None:
         self._close()
         st, cfg = trainer.state, trainer.cfg
-        done = st.epoch_samples // trainer.global_batch
+        done = st.epoch_samples // trainer.plan.global_batch
         total = trainer.sampler.steps_per_epoch
         if cfg.max_steps is not None:
             total = min(total, done + cfg.max_steps - st.step)
@@ -50,7 +50,7 @@ class ProgressBar(Hooks):
             self.shown_at = now
             info = bar.format_dict  # rate: tqdm's smoothed steps/s, None at first
             steps_per_s = info["rate"] or (info["n"] - info["initial"]) / max(info["elapsed"], 1e-9)
-            rate = steps_per_s * trainer.global_batch
+            rate = steps_per_s * trainer.plan.global_batch
             unit, rate = (
                 ("tokens/s", rate * trainer.cfg.seq_len)
                 if trainer.cfg.model == "gpt"

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from fsdp2lab.checkpoint.manager import CheckpointManager
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.errors import TrainingFailed
-from fsdp2lab.plan import RunPlan, resolve
+from fsdp2lab.plan import RunPlan, resolve_here
 from fsdp2lab.runtime import logs
 from fsdp2lab.runtime.distributed import Runtime
-from fsdp2lab.runtime.preemption import Preemption
-from fsdp2lab.runtime.watchdog import Watchdog
-from fsdp2lab.training import progress
+from fsdp2lab.training import fault_drills, progress
+from fsdp2lab.training.checkpointing import CheckpointManager
 from fsdp2lab.training.hooks import Hooks
 from fsdp2lab.training.nan_guard import NanGuard
+from fsdp2lab.training.preemption import Preemption
 from fsdp2lab.training.trainer import Trainer
+from fsdp2lab.training.watchdog import Watchdog
 
 log = logs.get_logger(__name__)
 
@@ -49,7 +49,7 @@ def observers(cfg: TrainConfig, runtime: Runtime) -> list[Hooks]:
 
 def run_training(plan: RunPlan | TrainConfig, runtime: Runtime) -> dict:
     if isinstance(plan, TrainConfig):
-        plan = resolve(plan, runtime.world_size)
+        plan = resolve_here(plan, runtime.world_size)
     log.info("fsdp2lab: resolved config\n" + plan.cfg.to_toml() + "\n")
     watchdog = Watchdog.start(runtime)  # reports a rank that stops responding
     try:
@@ -63,6 +63,8 @@ def _train(plan: RunPlan, runtime: Runtime, watchdog: Watchdog) -> dict:
     checkpoints = CheckpointManager.from_config(cfg, runtime)  # None without checkpointing
     preemption = Preemption(runtime, checkpoints)  # USR1/TERM: checkpoint, requeue, stop
     hooks = [NanGuard(runtime, cfg.on_nan), watchdog, *([checkpoints] if checkpoints else [])]
+    if fault_drills.wanted():  # tests/test_faults.py: faults injected on purpose
+        hooks.append(fault_drills.FaultDrills(runtime.rank))
     # Observers after the checkpoint hook (they see the resumed state), preemption last.
     trainer = Trainer(plan, runtime, hooks=[*hooks, *observers(cfg, runtime), preemption])
     try:

@@ -22,8 +22,8 @@ from fsdp2lab.models.spec import logits_of
 from fsdp2lab.parallel.pp import Pipeline
 from fsdp2lab.parallel.precision import DTYPES
 from fsdp2lab.parallel.strategies import build_model
-from fsdp2lab.plan import RunPlan, check_dataset, resolve
-from fsdp2lab.runtime import faults, logs
+from fsdp2lab.plan import RunPlan, check_dataset, resolve_here
+from fsdp2lab.runtime import logs
 from fsdp2lab.runtime.distributed import Runtime, on_rank0
 from fsdp2lab.runtime.mesh import build_mesh, dp_rank
 from fsdp2lab.training import evaluation
@@ -38,31 +38,27 @@ log = logs.get_logger(__name__)
 class Trainer:
     def __init__(self, plan: RunPlan | TrainConfig, runtime: Runtime, hooks: Sequence[Hooks] = ()):
         if isinstance(plan, TrainConfig):
-            plan = resolve(plan, runtime.world_size)
+            plan = resolve_here(plan, runtime.world_size)
         self.plan = plan
-        self.cfg = cfg = plan.cfg
+        cfg = plan.cfg
         self.runtime = runtime
         self.device = runtime.device
         self.memory = m.MemoryMeter(self.device)  # RSS growth counts from here
         self.hooks = list(hooks)
-        self.spec = plan.spec
-        self.strategy = plan.strategy
 
         # Mesh: named data-parallel (and, where asked, tp/pp) dimensions.
-        self.dims = plan.dims
-        self.mesh = build_mesh(self.dims, self.device.type)
-        self.dp_rank = dp_rank(self.dims, self.mesh)
-        self.global_batch, self.micro_batch = plan.global_batch, plan.micro_batch
+        self.mesh = build_mesh(self.plan.dims, self.device.type)
+        self.dp_rank = dp_rank(self.plan.dims, self.mesh)
 
         # Data: rank 0 resolves/downloads, everyone loads.
-        self.data_choice = on_rank0(lambda: data_loader.choose(cfg, self.spec))
-        self.train_set, self.test_set = data_loader.load(self.data_choice, cfg, self.spec)
+        self.data_choice = on_rank0(lambda: data_loader.choose(cfg, self.plan.spec))
+        self.train_set, self.test_set = data_loader.load(self.data_choice, cfg, self.plan.spec)
         check_dataset(plan, self.train_set)  # your dataset: does the model take its batches?
         self.sampler = DistributedBatchSampler(
             len(self.train_set),
-            self.global_batch,
+            self.plan.global_batch,
             cfg.grad_accum_steps,
-            self.dims.dp,
+            self.plan.dims.dp,
             self.dp_rank,
             cfg.seed,
         )
@@ -74,10 +70,9 @@ class Trainer:
         # With --pp, self.model is this rank's stage, and the pipeline runs forward and backward.
         self.pipeline = (
             Pipeline(self.model, self.mesh, self.device, plan.n_microbatches, cfg.pp_schedule)
-            if self.dims.pp > 1
+            if self.plan.dims.pp > 1
             else None
         )
-        self.params_total = plan.params_total
 
         self.optimizer = build_optimizer(self.model.parameters(), cfg)
         self.scheduler, self.scheduler_unit = build_scheduler(self.optimizer, cfg, self.total_steps)
@@ -91,15 +86,19 @@ class Trainer:
         self.last_loss: torch.Tensor | None = None
         self.last_step_record: dict = {}
         self.last_epoch_record: dict = {}
-        self.throughput = m.Throughput(cfg.seq_len if self.spec.task == "lm" else None)
+        self.throughput = m.Throughput(cfg.seq_len if self.plan.spec.task == "lm" else None)
         # Dropout differs per rank (as it would on separate GPUs) but is reproducible.
         torch.manual_seed(cfg.seed * 1000 + runtime.rank)
         self.epoch_times: list[float] = []
         self.last_eval: dict = {}
         self.train_time_s = 0.0
-        self.last_grad_norm: float | None = None
+        self.last_grad_norm: torch.Tensor | None = None  # read on logged steps only
         self.stop_reason: str | None = None  # set by request_stop: end after this step
         self.fit_started = time.perf_counter()
+
+    @property
+    def cfg(self) -> TrainConfig:
+        return self.plan.cfg
 
     # ------------------------------------------------------------------ setup helpers
     def _total_steps(self) -> int:
@@ -112,14 +111,14 @@ class Trainer:
         )
         return (
             f"fsdp2lab: {self.cfg.strategy} on {self.runtime.world_size} rank(s) [{self.device.type}/"
-            f"{self.runtime.backend}], mesh {mesh}, model {self.cfg.model} ({self.params_total:,} parameters), "
-            f"global batch {self.global_batch} = {self.micro_batch}/rank x {self.dims.dp} dp x "
+            f"{self.runtime.backend}], mesh {mesh}, model {self.cfg.model} ({self.plan.params_total:,} parameters), "
+            f"global batch {self.plan.global_batch} = {self.plan.micro_batch}/rank x {self.plan.dims.dp} dp x "
             f"{self.cfg.grad_accum_steps} accum\n"
             f"fsdp2lab: dataset: {self.data_choice.note}; {len(self.train_set)} train / {len(self.test_set)} test samples"
         )
 
     def _autocast(self):
-        if self.strategy.autocast and self.cfg.mixed_precision != "fp32":
+        if self.plan.strategy.autocast and self.cfg.mixed_precision != "fp32":
             return torch.autocast(self.device.type, dtype=DTYPES[self.cfg.mixed_precision])
         return contextlib.nullcontext()
 
@@ -151,7 +150,7 @@ class Trainer:
     @property
     def replicas_per_dp_rank(self) -> int:
         """How many ranks see the same data-parallel share (tensor/pipeline parallel copies)."""
-        return self.runtime.world_size // self.dims.dp
+        return self.runtime.world_size // self.plan.dims.dp
 
     # ------------------------------------------------------------------ training
     def train_step(self, batches) -> tuple[torch.Tensor, int]:
@@ -170,9 +169,8 @@ class Trainer:
                     x, y, lambda out, target: self._loss(out, target) / k, finalize=micro == k - 1
                 )
             else:
-                with self.strategy.sync_context(self.model, micro == k - 1), self._autocast():
+                with self.plan.strategy.sync_context(self.model, micro == k - 1), self._autocast():
                     loss = self._loss(self.model(x), y) / k
-                    loss = faults.poison_loss(loss, self.runtime.rank, self.state.step + 1)
                     if self.scaler is not None:
                         self.scaler.scale(loss).backward()
                     else:
@@ -183,8 +181,8 @@ class Trainer:
             self.scaler.unscale_(self.optimizer)
         log_step = (self.state.step + 1) % self.cfg.log_every_steps == 0
         if self.cfg.max_grad_norm is not None or log_step:
-            self.last_grad_norm = float(
-                self.strategy.clip_grad_norm(self.model, self.cfg.max_grad_norm)
+            self.last_grad_norm = self.plan.strategy.clip_grad_norm(
+                self.model, self.cfg.max_grad_norm
             )
         if any([hook.before_optimizer_step(self, loss_sum) for hook in self.hooks]):
             self.optimizer.zero_grad(set_to_none=True)  # the update is dropped
@@ -230,21 +228,27 @@ class Trainer:
 
     def epoch_complete(self) -> bool:
         """No full global batch is left in this epoch."""
-        return self.state.epoch_samples + self.global_batch > len(self.train_set)
+        return self.state.epoch_samples + self.plan.global_batch > len(self.train_set)
+
+    def training_complete(self) -> bool:
+        """The run's last step is done: --max-steps reached, or every epoch trained."""
+        st, max_steps = self.state, self.cfg.max_steps
+        return (max_steps is not None and st.step >= max_steps) or st.epoch > self.cfg.epochs
 
     def done(self) -> bool:
+        """Training ends after this step: its last step is done, or a stop was asked for."""
         max_steps = self.cfg.max_steps
         return self.stop_reason is not None or (
             max_steps is not None and self.state.step >= max_steps
         )
 
     def _train_epoch(self) -> None:
-        cfg, rt, st = self.cfg, self.runtime, self.state
+        cfg, st = self.cfg, self.state
         self.sampler.set_epoch(st.epoch, st.epoch_samples)
         batches = iter(self.loader)
         for hook in self.hooks:
             hook.epoch_started(self)
-        steps_left = self.sampler.steps_per_epoch - st.epoch_samples // self.global_batch
+        steps_left = self.sampler.steps_per_epoch - st.epoch_samples // self.plan.global_batch
         t0 = time.perf_counter()
         self.throughput.mark(st.samples_seen)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -252,15 +256,14 @@ class Trainer:
         for _ in range(steps_left):
             if self.done():
                 break
-            faults.before_step(rt.rank, st.step + 1)
             loss, samples = self.train_step(batches)
             self.last_loss = loss
             if samples:
                 loss_sum += loss.double() * samples
             sample_count += samples
             st.step += 1
-            st.samples_seen += self.global_batch
-            st.epoch_samples += self.global_batch
+            st.samples_seen += self.plan.global_batch
+            st.epoch_samples += self.plan.global_batch
             if st.step % cfg.log_every_steps == 0:
                 self._log_step(loss)
             for hook in self.hooks:
@@ -304,7 +307,7 @@ class Trainer:
             step=self.state.step,
             epoch=self.state.epoch,
             loss=mean_loss,
-            grad_norm=self.last_grad_norm,
+            grad_norm=None if self.last_grad_norm is None else float(self.last_grad_norm),
             lr=self.optimizer.param_groups[0]["lr"],
             samples_seen=self.state.samples_seen,
             **self.throughput.since_mark(self.state.samples_seen),

@@ -19,7 +19,6 @@ restored in global samples, so the run goes on from the same sample.
 from __future__ import annotations
 
 import contextlib
-import copy
 import shutil
 import time
 from collections.abc import Callable
@@ -98,8 +97,6 @@ class CheckpointManager(Hooks):
         self.in_flight: _InFlight | None = None
         self.last_saved_step: int | None = None
         self.rng_at_epoch_start: Callable[[], None] | None = None
-        # (step, scheduler state right after that step): what a mid-epoch checkpoint holds.
-        self.scheduler_after_step: tuple[int, dict] | None = None
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, runtime: Runtime) -> CheckpointManager | None:
@@ -129,7 +126,6 @@ class CheckpointManager(Hooks):
     def after_step(self, trainer: Trainer) -> None:
         self._poll()
         st, cfg = trainer.state, self.cfg
-        self.scheduler_after_step = (st.step, copy.deepcopy(trainer.scheduler.state_dict()))
         # At an epoch's or the run's end, after_epoch saves the state a moment later.
         due = bool(cfg.ckpt_every_steps) and st.step % cfg.ckpt_every_steps == 0
         if due and not (trainer.epoch_complete() or trainer.done()):
@@ -170,7 +166,7 @@ class CheckpointManager(Hooks):
         devices = [trainer.device.index or 0] if trainer.device.type == "cuda" else []
         # Saving must not disturb the training RNG streams (a run with checkpoints == without).
         with torch.random.fork_rng(devices=devices):
-            state = ckpt_state.capture(trainer, self._scheduler_state(trainer))
+            state = ckpt_state.capture(trainer)
             writer = faults.checkpoint_writer(path, self.runtime.rank, step)
             if self.cfg.async_checkpoint:
                 # The state is copied to memory before async_save returns; training goes on.
@@ -182,13 +178,6 @@ class CheckpointManager(Hooks):
             except (CheckpointException, OSError) as e:
                 return self._failed(path, e)
         self._complete(path, info, started)
-
-    def _scheduler_state(self, trainer: Trainer) -> dict | None:
-        """Mid-epoch, the scheduler as it was right after this step (None: the live one)."""
-        snapshot = self.scheduler_after_step
-        if trainer.state.epoch_samples and snapshot and snapshot[0] == trainer.state.step:
-            return snapshot[1]
-        return None
 
     def _poll(self) -> None:
         if self.in_flight is not None and self.in_flight.future.done():
@@ -255,10 +244,10 @@ class CheckpointManager(Hooks):
         ckpt_state.check_fits(trainer, ckpt, template)
         full = ckpt_state.OPTIM in ckpt.contents
         into_epoch = int(run.get("epoch_samples", 0))
-        if full and into_epoch % trainer.global_batch:
+        if full and into_epoch % trainer.plan.global_batch:
             raise UsageError(
                 f"checkpoint {ckpt.path} stopped {into_epoch} samples into an epoch, which is not a "
-                f"whole number of this run's global batches ({trainer.global_batch}); resume with "
+                f"whole number of this run's global batches ({trainer.plan.global_batch}); resume with "
                 f"--global-batch-size {run.get('global_batch')}"
             )
         if own:

@@ -4,13 +4,9 @@ The signal handler only sets a flag. After each step every rank contributes its 
 all-reduce (MAX), since a signal reaches the ranks at slightly different times; so all ranks stop
 after the same step. That all-reduce runs in the background, on a gloo group of its own, while the
 next step computes, and its verdict is read after that step: a signal stops training one step
-later than a blocking check would, and no step waits for it (a blocking check is one more point
-per step where every rank waits for the slowest). Where the ranks are CPU processes on one host
-(gloo), the check blocks instead, through shared memory (``parallel/host_collectives.py``), and
-stops training after the very step: a barrier right after the optimizer step, which the ranks
-reach together, costs less than gloo's threads working beside every step. At an epoch's (or the
-run's) last step the check waits for ``after_epoch``, once the epoch's evaluation and checkpoint
-are done, and blocks; a run that is finishing anyway finishes.
+later than a blocking check would, and no step waits for it. At an epoch's (or the run's) last
+step the check waits for ``after_epoch``, once the epoch's evaluation and checkpoint are done, and
+blocks; a run that is finishing anyway finishes.
 
 On a stop: the checkpoint manager saves this step (``--ckpt-dir``), and under Slurm rank 0 runs
 ``scontrol requeue $SLURM_JOB_ID``; the requeued job resumes with ``--resume auto``. SIGUSR1 (what
@@ -27,20 +23,18 @@ import re
 import signal
 import subprocess
 import threading
-import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from fsdp2lab.parallel import host_collectives
-from fsdp2lab.runtime import faults, logs
+from fsdp2lab.runtime import logs
 from fsdp2lab.runtime.distributed import Runtime
 from fsdp2lab.training.hooks import Hooks, StopTraining
 
 if TYPE_CHECKING:
-    from fsdp2lab.checkpoint.manager import CheckpointManager
+    from fsdp2lab.training.checkpointing import CheckpointManager
     from fsdp2lab.training.trainer import Trainer
 
 log = logs.get_logger(__name__)
@@ -90,12 +84,10 @@ class Preemption(Hooks):
         self.checkpoints = checkpoints
         self.received = 0  # the first signal number received, 0 for none
         self.stopped = False
-        self.delay = faults.step_delay()  # testing aid: time to signal mid-run
         # The flag travels on a CPU group of its own: no GPU synchronisation, and the background
         # all-reduce never queues behind (or ahead of) the training's collectives.
         self.group = dist.new_group(backend="gloo") if runtime.world_size > 1 else None
         self.pending: tuple[dist.Work, torch.Tensor] | None = None  # the background all-reduce
-        self.shared: bool | None = None  # checks through shared memory; None: not asked yet
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
                 signal.signal(sig, self._on_signal)
@@ -106,29 +98,20 @@ class Preemption(Hooks):
 
     # ------------------------------------------------------------------ hooks
     def after_step(self, trainer: Trainer) -> None:
-        if self.delay:
-            time.sleep(self.delay)
-        st = trainer.state
-        epoch_ends = st.epoch_samples + trainer.global_batch > len(trainer.train_set)
-        if not (epoch_ends or _training_ends(trainer)):  # else after_epoch checks
+        if not (trainer.epoch_complete() or trainer.training_complete()):  # else after_epoch
             self._stop_if(trainer, self._agreed(wait=False))
 
     def after_epoch(self, trainer: Trainer) -> None:
-        if not _training_ends(trainer):
+        if not trainer.training_complete():
             self._stop_if(trainer, self._agreed(wait=True))
 
     # ------------------------------------------------------------------ stop
     def _agreed(self, wait: bool) -> int:
         """The largest signal number any rank had received by the previous check, then this
-        check's flags sent in the background; with ``wait``, or through shared memory, this
-        check's own verdict (blocking). A collective on every rank, in the same order."""
+        check's flags sent in the background; with ``wait``, this check's own verdict (blocking).
+        A collective on every rank, in the same order."""
         if self.runtime.world_size == 1:
             return self.received
-        if self.shared is None:  # the first check, on every rank
-            self.shared = host_collectives.shares_memory()
-        if self.shared:
-            flag = torch.tensor([self.received], dtype=torch.int64)
-            return int(host_collectives.all_reduce(flag, op=dist.ReduceOp.MAX).item())
         signum = 0
         if self.pending is not None:
             work, flag = self.pending
@@ -170,9 +153,3 @@ class Preemption(Hooks):
                 f"fsdp2lab: preemption: {name} after step {step}; saved in {ckpt.root}; {outcome}"
             )
         raise StopTraining(f"{name} at step {step}, checkpoint saved")
-
-
-def _training_ends(trainer: Trainer) -> bool:
-    """The run's last step is done (the loop ends and the final checkpoint follows)."""
-    cfg, st = trainer.cfg, trainer.state
-    return (cfg.max_steps is not None and st.step >= cfg.max_steps) or st.epoch > cfg.epochs
