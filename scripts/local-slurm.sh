@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # local-slurm.sh - run a real two-node Slurm cluster (node1, node2) on this
 # single machine, for tests and contributors. Both "nodes" are slurmd daemons
-# started with -N on 127.0.0.1; one slurmctld; auth via the local munged.
+# started with -N on 127.0.0.1, each in namespaces of its own (unshare: a private
+# /dev/shm, its own PID numbers and host name), so their jobs share no more than
+# two machines would; one slurmctld; auth via the local munged.
 #
 # Usage:
 #   scripts/local-slurm.sh start          # idempotent; prints `export SLURM_CONF=...`
@@ -53,7 +55,9 @@ pid_alive() {
 }
 
 ctld_pidfile() { echo "$DIR/slurmctld.pid"; }
-slurmd_pidfile() { echo "$DIR/$1/slurmd.pid"; }
+# The pid of a node's slurmd as this namespace sees it (slurmd's own pid file,
+# SlurmdPidFile, holds its pid inside the node's namespace).
+slurmd_pidfile() { echo "$DIR/$1/slurmd.host.pid"; }
 
 # all_running: slurmctld and every slurmd process alive.
 all_running() {
@@ -122,6 +126,24 @@ kill_stray_stepds() {
       fi
     done
   done
+}
+
+# start_node NAME: slurmd -N NAME in the foreground, as PID 1 of new mount, PID and
+# UTS namespaces with a private tmpfs on /dev/shm and host name NAME: what another
+# machine would give its jobs. Records slurmd's pid (as seen here).
+start_node() {
+  local n=$1 i pid=''
+  # shellcheck disable=SC2016  # expanded by the inner shell
+  setsid unshare -m -p -f -u --mount-proc sh -c \
+    'mount -t tmpfs -o size=1g,mode=1777 tmpfs /dev/shm && hostname "$1" && exec slurmd -D -f "$2" -N "$1"' \
+    sh "$n" "$CONF" 9>&- </dev/null >>"$DIR/$n/console.log" 2>&1 &
+  for ((i = 0; i < 50; i++)); do
+    pid=$(pgrep -P "$!" -x slurmd || true)
+    [[ -n $pid ]] && break
+    sleep 0.1
+  done
+  [[ -n $pid ]] || return 1
+  echo "$pid" >"$(slurmd_pidfile "$n")"
 }
 
 # --- prerequisites -----------------------------------------------------------
@@ -380,8 +402,8 @@ cmd_start() {
   fi
   for n in "${NODES[@]}"; do
     pid_alive "$(slurmd_pidfile "$n")" slurmd && continue
-    log "starting slurmd $n"
-    slurmd -f "$CONF" -N "$n" 9>&- || { dump_logs; fail "slurmd $n failed to start"; }
+    log "starting slurmd $n in namespaces of its own"
+    start_node "$n" || { dump_logs; fail "slurmd $n failed to start"; }
   done
   wait_ready
   log "up in $((SECONDS - t0))s: $(sinfo -h -o '%P %D %t %N' | tr '\n' ' ')"

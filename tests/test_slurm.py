@@ -156,6 +156,21 @@ def _check_trained_two_nodes(job: Job, state: str, reference) -> list[dict]:
     return metrics
 
 
+def test_the_two_nodes_share_no_shm_pid_space_or_host_name(cluster, tmp_path):
+    """Each slurmd runs in namespaces of its own, as on two machines: a job's tasks on node1 and
+    node2 see different host names, PID and mount namespaces, and an empty private /dev/shm."""
+    probe = 'echo "$(hostname) $(readlink /proc/self/ns/pid) $(readlink /proc/self/ns/mnt) $(ls -A /dev/shm | wc -l)"'
+    out = tmp_path / "probe.out"
+    cluster.run("sbatch", "--wait", "-N2", "--ntasks-per-node=1", "-o", str(out),
+                "--wrap", f"srun sh -c '{probe}'")  # fmt: skip
+    rows = sorted(line.split() for line in out.read_text().splitlines())
+    assert [r[0] for r in rows] == ["node1", "node2"], rows
+    mine = [os.readlink(f"/proc/self/ns/{ns}") for ns in ("pid", "mnt")]
+    for ns in (1, 2):  # pid, mnt: each node its own, neither this process's
+        assert rows[0][ns] != rows[1][ns] and mine[ns - 1] not in (rows[0][ns], rows[1][ns])
+    assert [r[3] for r in rows] == ["0", "0"], rows  # nothing in either node's /dev/shm
+
+
 def test_status_says_why_a_job_waits(cluster):
     job_id = cluster.run("sbatch", "--parsable", "--begin=now+3600", "--wrap", "true").strip()
     try:

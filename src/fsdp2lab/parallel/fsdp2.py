@@ -104,9 +104,9 @@ def default_unit_min_params(device_type: str) -> int:
     """About where a unit's all-gather costs as much in transfer as in fixed overhead.
 
     Per collective, FSDP2 pays a fixed cost (hooks, copies, launch, and on CPU a synchronous wait
-    with no stream to overlap it) of roughly 5-10 ms on 2-4 gloo ranks here, against ~50 us on
-    GPUs with NCCL; at 1-2 GB/s (gloo) and ~100 GB/s (NVLink) transfers of ~4 M and ~1 M fp32
-    parameters take as long. Smaller units cost more in overhead than they save in memory.
+    with no stream to overlap it): milliseconds on gloo, tens of microseconds with NCCL. Units
+    below these sizes (``--fsdp-units auto``) cost more in that overhead than they save in
+    memory.
     """
     return 1_000_000 if device_type == "cuda" else 4_000_000
 

@@ -3,8 +3,7 @@
 The optimizers fsdp2lab builds (Adadelta, Adam, AdamW, SGD) are elementwise: each element is
 updated from its own gradient and state. Updating the local tensors inside the DTensors therefore
 gives the same bits as updating the DTensors, without DTensor's dispatch of every ``foreach`` op
-(``gpt`` with one unit per block, Adadelta, 4 CPU ranks: 1.27x -> 1.22x DDP's step time;
-``scripts/compare_step_time.py``, variants ``*-dtensor-step``; docs/speed.md).
+(tests/test_local_step.py checks the bits).
 
 At rest nothing changes: the optimizer holds the DTensor parameters and DTensor state, which is
 what distributed checkpoints save and reshard. A step pre-hook swaps in the local tensors (with

@@ -3,9 +3,8 @@
 A CPU training step allocates and frees the same activations, gradients and collective buffers
 every step. glibc's malloc maps each block above its threshold (128 KiB, raised as such blocks are
 freed) with a ``mmap`` of its own, unmaps it on ``free`` and trims the heap's free top above
-128 KiB: the next step's identical tensors then fault in fresh zeroed pages. The main job (``cnn``
-on 2 ranks) took 3,400-4,600 page faults and 8 ms of kernel time in every 46 ms step, on some
-ranks and not others, as the threshold happened to move. ``cached`` sets both thresholds
+128 KiB: the next step's identical tensors then fault in fresh zeroed pages
+(tests/test_host_memory.py counts them). ``cached`` sets both thresholds
 (``mallopt``): blocks up to 32 MiB (glibc's largest mmap threshold on 64-bit) come from the heap,
 which is never trimmed, so a step reuses the pages of the last: no page faults, and a process's
 resident memory stays at its peak, as with a GPU's caching allocator. ``system`` leaves the C

@@ -18,8 +18,7 @@ if TYPE_CHECKING:
 log = logs.get_logger(__name__)
 
 # On CPU the forward runs over pieces of this many samples of each test batch: the seed's 1000 a
-# rank put the cnn's activations (230 MB) out of the caches, and its evaluation took twice as
-# long (docs/speed.md, round 8). A GPU takes the whole batch.
+# rank put the cnn's activations (230 MB) out of the caches. A GPU takes the whole batch.
 CPU_PIECE = 64
 
 
