@@ -16,9 +16,9 @@ from fsdp2lab import cli
 from fsdp2lab.checkpoint import layout
 from fsdp2lab.checkpoint import state as ckpt_state
 from fsdp2lab.checkpoint.export import full_state_dict, read_model_weights
-from fsdp2lab.training.checkpointing import CheckpointManager, choose_resume
 from fsdp2lab.config import TrainConfig, validate_basic
 from fsdp2lab.errors import UsageError
+from fsdp2lab.training.checkpointing import CheckpointManager, choose_resume
 from fsdp2lab.training.trainer import Trainer
 
 # dcp.save/load in this process without a process group warn that they assume one process.

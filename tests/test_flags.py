@@ -41,3 +41,21 @@ def test_a_bad_value_under_several_ranks_prints_once(tmp_path):
     proc = run_cli(["train", "--nproc-per-node", "2", "--lr", "-1"], cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr == "fsdp2lab: error: --lr must be >= 0, got -1.0\n"
+
+
+GONE = "is no longer read: FSDP2 on CPU uses gloo's own all-gather and reduce-scatter"
+
+
+@pytest.mark.parametrize("value", ["shm", "ring", "builtin"])
+def test_the_retired_transport_is_one_line_and_exit_2(value, capsys, tmp_path, monkeypatch):
+    """A config (or a flag) that still asks for the shared-memory or ring collectives."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "old.toml").write_text(f'model = "mlp"\ngloo_collectives = "{value}"\n')
+    assert cli.main(["train", "--config", "old.toml"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fsdp2lab: error: config file old.toml: gloo_collectives " + GONE), err
+    assert err.count("\n") == 1
+    assert cli.main(["train", "--gloo-collectives", value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fsdp2lab: error: --gloo-collectives {GONE}") and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.toml"]  # nothing else written

@@ -223,12 +223,3 @@ def test_prefetch_and_reshard_settings_do_not_change_results(tmp_path, reference
     losses = [r["loss"] for r in read_metrics(metrics) if r["event"] == "step"]
     assert len(losses) == 20
     assert_close_lists(losses, reference["gpt"].step_losses, 1e-5)
-
-
-def test_gloo_builtin_collectives_train_the_same_as_the_rings(tmp_path, reference):
-    # The default (rings) is what every other test runs; here gloo's own, one unit per block.
-    run = train(
-        tmp_path, *MODELS["gpt"], *PARITY, "--nproc-per-node", "2", "--fsdp-units", "layer",
-        "--gloo-collectives", "builtin",
-    )  # fmt: skip
-    assert_close_lists(run.step_losses, reference["gpt"].step_losses, 1e-5)

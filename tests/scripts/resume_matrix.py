@@ -19,9 +19,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from fsdp2lab.training.checkpointing import CheckpointManager
 from fsdp2lab.config import add_train_arguments, config_from_args
 from fsdp2lab.runtime import distributed, launch_env
+from fsdp2lab.training.checkpointing import CheckpointManager
 from fsdp2lab.training.session import run_training
 from fsdp2lab.training.trainer import Trainer
 
