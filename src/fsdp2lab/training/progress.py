@@ -53,7 +53,7 @@ class ProgressBar(Hooks):
             rate = steps_per_s * trainer.plan.global_batch
             unit, rate = (
                 ("tokens/s", rate * trainer.cfg.seq_len)
-                if trainer.cfg.model == "gpt"
+                if trainer.plan.spec.task == "lm"
                 else ("samples/s", rate)
             )
             bar.set_postfix_str(f"loss={float(trainer.last_loss):.4f}, {unit}={rate:,.0f}")
