@@ -22,7 +22,8 @@ def _evals(run) -> list[tuple[int, float]]:
 
 
 TUNED = {"optimizer": "adam", "lr": 2e-3, "dropout": 0.0, "global_batch_size": 128}
-SEED = {"optimizer": "adadelta", "lr": None, "dropout": None, "global_batch_size": None}
+# The plan fills the optimizer's default learning rate where neither you nor a recipe set one.
+SEED = {"optimizer": "adadelta", "lr": 1.0, "dropout": None, "global_batch_size": None}
 
 
 @pytest.mark.parametrize(
@@ -36,7 +37,7 @@ SEED = {"optimizer": "adadelta", "lr": None, "dropout": None, "global_batch_size
         # The user's values win; the optimizer and its learning rate come from the recipe only
         # together (a seed command's --lr 1.0 must not reach Adam).
         ({"lr": 1.0}, {**TUNED, "optimizer": "adadelta", "lr": 1.0}),
-        ({"optimizer": "sgd"}, {**TUNED, "optimizer": "sgd", "lr": None}),
+        ({"optimizer": "sgd"}, {**TUNED, "optimizer": "sgd", "lr": 0.01}),
         (
             {"dropout": 0.5, "global_batch_size": 32},
             {**TUNED, "dropout": 0.5, "global_batch_size": 32},
