@@ -102,22 +102,23 @@ def test(model, rank, test_loader, device) -> float:
     return accuracy
 
 
-def datasets_for(name: str, root: Path, transform):
-    if name == "mnist":
-        return (
-            datasets.MNIST(root, train=True, download=True, transform=transform),
-            datasets.MNIST(root, train=False, transform=transform),
-        )
+def unpack_fashion_mnist(root: Path) -> None:
+    """Debian's gzipped IDX files, unpacked once where torchvision looks (before the ranks start)."""
     raw = root / "FashionMNIST" / "raw"
     raw.mkdir(parents=True, exist_ok=True)
-    for gz in DEBIAN_FASHION_MNIST.glob("*-ubyte.gz"):  # torchvision reads them unpacked
+    for gz in DEBIAN_FASHION_MNIST.glob("*-ubyte.gz"):
         target = raw / gz.name.removesuffix(".gz")
         if not target.exists():
-            with gzip.open(gz) as src, open(target, "wb") as dst:
+            with gzip.open(gz) as src, open(target.with_suffix(".tmp"), "wb") as dst:
                 shutil.copyfileobj(src, dst)
+            target.with_suffix(".tmp").rename(target)
+
+
+def datasets_for(name: str, root: Path, transform):
+    kind = datasets.MNIST if name == "mnist" else datasets.FashionMNIST
     return (
-        datasets.FashionMNIST(root, train=True, download=False, transform=transform),
-        datasets.FashionMNIST(root, train=False, download=False, transform=transform),
+        kind(root, train=True, download=name == "mnist", transform=transform),
+        kind(root, train=False, transform=transform),
     )
 
 
@@ -181,6 +182,8 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=None)
     parser.add_argument("--target-accuracy", type=float, default=None, metavar="PERCENT")
     args = parser.parse_args()
+    if args.dataset == "fashion-mnist":
+        unpack_fashion_mnist(Path(args.data_dir))
     gpus = torch.cuda.device_count() if not args.no_cuda else 0
     world_size = args.world_size or gpus or 2
     with socket.socket() as s:  # the seed's fixed port 12355, unless taken
