@@ -109,6 +109,40 @@ def assert_close_lists(a: list[float], b: list[float], tol: float) -> None:
     assert worst <= tol, f"max difference {worst:.3e} > {tol:.0e}\n{a}\n{b}"
 
 
+VARIANTS_SCRIPT = Path(__file__).parent / "scripts" / "resume_matrix.py"
+
+
+def run_variants(out: Path, ranks: int, variants: dict, common: list[str]) -> None:
+    """Train ``variants`` one after another in the same ``ranks`` torchrun workers
+    (tests/scripts/resume_matrix.py: resume checks, mutations of the loaded state, fault env)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={ranks}", str(VARIANTS_SCRIPT), str(out), json.dumps(variants), *common]  # fmt: skip
+    proc = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def saved_checkpoint(ckpt: Path) -> dict:
+    """A DCP checkpoint as one plain dict of tensors and values (read in this process)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    flat = ckpt.parent / f"{ckpt.name}.pt"
+    if not flat.exists():
+        dcp_to_torch_save(ckpt, flat)
+    return torch.load(flat, weights_only=False)
+
+
+def same_values(a: dict, b: dict) -> list[str]:
+    """The keys where two flat state dicts differ (tensors bitwise, dtype included)."""
+    keys = sorted(set(a) | set(b))
+
+    def differ(x, y) -> bool:
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            return x.dtype != y.dtype or not torch.equal(x, y)
+        return x != y
+
+    return [k for k in keys if k not in a or k not in b or differ(a[k], b[k])]
+
+
 @pytest.fixture
 def one_rank(tmp_path: Path):
     """A one-rank gloo process group in this process, as the trainer runs under."""
