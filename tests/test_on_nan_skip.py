@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import read_metrics, run_variants, saved_checkpoint, same_values
+from conftest import read_metrics, run_variants, same_values, saved_checkpoint
 
 K, STEPS, BATCH = 6, 12, 48
 COMMON = ["--model", "mlp", "--dataset", "synthetic", "--synthetic-size", "960", "--seed", "3",
@@ -29,7 +29,9 @@ STRATEGIES = {"fsdp2": [], "ddp": ["--strategy", "ddp"]}
 
 
 def losses(out: Path, name: str) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(out / f"{name}.jsonl") if r["event"] == "step"}
+    return {
+        r["step"]: r["loss"] for r in read_metrics(out / f"{name}.jsonl") if r["event"] == "step"
+    }
 
 
 def trained_state(ckpt: dict) -> dict:
@@ -56,7 +58,9 @@ def runs(request, tmp_path_factory):
 
 
 def test_a_skipped_step_leaves_weights_optimizer_and_schedule_bitwise(runs):
-    before, skipped, after = (saved_checkpoint(runs / "ckpt" / f"step-{s}") for s in (K - 1, K, K + 1))
+    before, skipped, after = (
+        saved_checkpoint(runs / "ckpt" / f"step-{s}") for s in (K - 1, K, K + 1)
+    )
     assert not same_values(trained_state(before), trained_state(skipped))
     steps = [v for k, v in trained_state(skipped).items() if k.endswith(".step")]
     assert steps and all(float(s) == K - 1 for s in steps), steps  # Adam's own count

@@ -108,7 +108,10 @@ class CheckLoaded(Hooks):
                 compared.append(f"{part}.{key}")
                 if key not in saved[part] or differs(value, saved[part][key]):
                     mismatched.append(f"{part}.{key}")
-        live_parts = {"scheduler": trainer.scheduler.state_dict(), "train_state": vars(trainer.state)}
+        live_parts = {
+            "scheduler": trainer.scheduler.state_dict(),
+            "train_state": vars(trainer.state),
+        }
         if trainer.scaler is not None:
             live_parts["scaler"] = trainer.scaler.state_dict()
         for part, live in live_parts.items():
