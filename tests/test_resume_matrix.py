@@ -144,6 +144,8 @@ def check_curve(matrix: Path, source: str, target: str, opt: str, name: str) -> 
         diff, tol = abs(resumed[step] - tgt[step]), max(1e-6, 2 * straight_gap)
         worst = max(worst, diff / tol)
         report.append(f"step {step}: resumed - target {diff:.1e} (tolerance {tol:.1e})")
+    largest = max(abs(resumed[s] - tgt[s]) for s in resumed)
+    print(f"{name}: largest |resumed - target| {largest:.1e}")
     assert worst <= 1.0, "\n".join(report)
 
 
