@@ -50,19 +50,20 @@ ELSEWHERE = {
 # What the README tells the user each command prints (regular expressions, each must match the
 # output) and writes (globs, each must match a file), from the text around the command.
 SEED_LINES = [r"Train Epoch: 1 \tLoss: \d+\.\d{6}\n",
-              r"Test set: Average loss: \d+\.\d{4}, Accuracy: \d+/10000 \(\d+\.\d\d%\)",
+              r"Test set: Average loss: \d+\.\d{4}, Accuracy: \d+/\d+ \(\d+\.\d\d%\)",
               r"Epoch 1 time: \d+\.\d\ds \([\d,]+ samples/s\)"]  # fmt: skip
 TWO_CPU_RANKS = r"on 2 rank\(s\) \[cpu/gloo\]"
 CONFIG = r"fsdp2lab: resolved config\n"
 EXPECT: dict[str, tuple[list[str], list[str]]] = {
     "python3 -m venv .venv && .venv/bin/pip install -q -e . && .venv/bin/fsdp2lab train": (
         [r"fsdp2lab: dataset: (mnist|fashion-mnist)", r"fsdp2lab: fsdp2 " + TWO_CPU_RANKS,
-         r"model cnn", *SEED_LINES], ["data/MNIST/raw/*"]),
+         r"model cnn", *SEED_LINES, r"Accuracy: \d+/10000 "], ["data/MNIST/raw/*"]),
     "fsdp2lab train --help": (
         [r"--mixed-precision \{fp32,bf16,fp16\}", r"--nproc-per-node", r"\(default: fp32\)",
          r"--on-nan \{stop,skip\}"], []),
     "fsdp2lab train --dataset mnist --epochs 14 --recipe seed": (
-        [CONFIG, r'optimizer = "adadelta"', r"epochs = 14", r"global batch 64 ", *SEED_LINES], []),
+        [CONFIG, r'optimizer = "adadelta"', r"epochs = 14", r"global batch 64 ", *SEED_LINES,
+         r"Accuracy: \d+/10000 "], []),
     "fsdp2lab train --nproc-per-node 4 --dp-replicate 2": (
         [r"on 4 rank\(s\) \[cpu/gloo\], mesh dp_replicate=2 x dp_shard=2", *SEED_LINES], []),
     "fsdp2lab train --model gpt --dataset text --text-file README.md --seq-len 128 --d-model 256 --n-heads 8 --optimizer adamw --lr 1e-3 --scheduler cosine --max-grad-norm 1.0 --mixed-precision bf16 --global-batch-size 32 --epochs 3": (
