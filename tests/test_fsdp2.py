@@ -75,8 +75,17 @@ def test_loss_per_step_matches_single_process(tmp_path, reference, model, mesh):
     peaks, growths = run.summary["peak_memory_bytes"], run.summary["rss_growth_bytes"]
     assert len(peaks) == len(growths) == world
     for peak, growth, held in zip(peaks, growths, run.summary["sharded_state_bytes"], strict=True):
-        assert 50 * MiB < peak < 64 * 1024 * MiB and held < peak, (peak, held)
-        assert 0 <= growth <= peak, (growth, peak)
+        assert 50 * MiB < peak < 64 * 1024 * MiB and held < growth < peak, (peak, growth, held)
+    # After warm-up (step 5) no step keeps memory: over the last 15 steps each rank's peak RSS
+    # grows by less than one whole copy of the model's parameters, gradients and optimizer state
+    # (0.87 MB gpt, 1.75 MB mlp) plus 2 MiB of allocator granularity (glibc hands a thread's
+    # arena memory in 1 MiB heaps). Measured: 0 to 1 MiB. A leak of the whole state every step
+    # (13 and 26 MB), or of the mlp's gathered parameters every step (6.6 MB), exceeds it.
+    bound = single_bytes + 2 * MiB
+    grown = {r["step"]: r["rss_growth_bytes"] for r in run.events("step")}
+    for rank in range(world):
+        late = grown[20][rank] - grown[5][rank]
+        assert late < bound, (rank, late, bound)
     assert run.summary["mesh"]["names"] == (
         ["dp_replicate", "dp_shard"] if world == 4 else ["dp_shard"]
     )

@@ -66,17 +66,17 @@ def test_summary_has_per_rank_memory(resumed):
     _, _, second = resumed
     summary = second.summary
     for key in [*MEMORY, "sharded_state_bytes"]:
-        assert len(summary[key]) == 2 and all(v >= 0 for v in summary[key]), key
-    assert min(summary["param_bytes"]) > 0 and min(summary["optimizer_state_bytes"]) > 0
-    assert summary["sharded_state_bytes"] == [
-        p + g + o
-        for p, g, o in zip(
-            summary["param_bytes"],
-            summary["grad_bytes"],
-            summary["optimizer_state_bytes"],
-            strict=True,
-        )
-    ]
+        assert len(summary[key]) == 2, key
+    # Against what the model is, not the meter's own formula: the two ranks' fp32 shards add up
+    # to the model's parameter count (counted on the meta model); gradients are kept after the
+    # step, one per parameter; Adadelta keeps two fp32 tensors a parameter, plus one step counter
+    # (a scalar) per parameter tensor.
+    params, grads = summary["param_bytes"], summary["grad_bytes"]
+    assert sum(params) == 4 * summary["params_total"], (params, summary["params_total"])
+    assert min(params) > 0.4 * max(params), params  # sharded evenly enough, not one rank's
+    assert grads == params
+    counters = [o - 2 * p for o, p in zip(summary["optimizer_state_bytes"], params, strict=True)]
+    assert all(0 < c <= 8 * 64 for c in counters), counters
     step = second.events("step")[-1]
     assert all(len(step[key]) == 2 for key in MEMORY)
 

@@ -125,7 +125,15 @@ def test_plan_rejects(flags, world, message):
         resolve(TrainConfig(dataset="synthetic", **flags), world)
 
 
-def test_plan_accepts_valid_meshes():
-    resolve(TrainConfig(model="gpt", dataset="synthetic", tp=2, pp=2, **SMALL_GPT), 8)
-    resolve(TrainConfig(model="cnn", dataset="synthetic", pp=4, pp_schedule="gpipe"), 4)
-    resolve(TrainConfig(model="mlp2", dataset="synthetic", strategy="model-parallel"), 1)
+@pytest.mark.parametrize(
+    ("flags", "world", "mesh"),
+    [
+        # what the ranks left over after tp and pp become: data-parallel shards
+        (dict(model="gpt", tp=2, pp=2, **SMALL_GPT), 8, (1, 2, 2, 2)),
+        (dict(model="cnn", pp=4, pp_schedule="gpipe"), 4, (1, 1, 1, 4)),
+        (dict(model="mlp2", strategy="model-parallel"), 1, (1, 1, 1, 1)),
+    ],
+)
+def test_plan_accepts_valid_meshes(flags, world, mesh):
+    dims = resolve(TrainConfig(dataset="synthetic", **flags), world).dims
+    assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp) == mesh

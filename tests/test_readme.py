@@ -2,10 +2,14 @@
 
 Each ```bash block of README.md runs in order in one fresh folder holding the README, configs/
 and a ``.venv`` link to this environment (the set-up's venv and ``pip install`` steps are left to
-``.ci/run``, which runs them on a fresh clone); every ``fsdp2lab train`` gets ``--max-steps 2``
-(for ``bench``, after ``--``). Commands that need what this machine lacks (a Slurm allocation, GPUs,
-two machines, a fresh venv) are listed in ``ELSEWHERE`` with the test that runs them or why none
-can; a README command in neither place fails the test.
+``.ci/run``, which runs them on a fresh clone); every ``fsdp2lab train`` without a ``--max-steps``
+of its own gets ``--max-steps 2`` (for ``bench``, after ``--``). Each command is checked for what
+the README tells its user to expect: the lines it prints (``EXPECT``: patterns in its output) and
+the files it writes, besides its exit code; a command run here without an entry in ``EXPECT``, or
+one that shortening would leave empty, fails the test. Commands that need what this machine lacks
+(a Slurm allocation, GPUs, two machines, a fresh venv, the hf extra's install) are listed in
+``ELSEWHERE`` with the test that runs them or why none can; a README command in neither place
+fails the test.
 
 These runs take minutes (``bench`` alone starts ten jobs), so they are marked ``readme`` and left
 out of a plain ``pytest``; ``.ci/run`` runs them with ``pytest -m readme``.
@@ -39,6 +43,76 @@ ELSEWHERE = {
     "fsdp2lab ckpt export hf-ckpt hf-model": "tests/test_hf.py (the hf stage of .ci/run)",
     "scripts/multinode-torchrun.sh --nnodes 2 --head 10.0.0.1 -- --model gpt":
         "needs two machines; tests/test_multinode.py runs the script as two nodes on localhost",
+    'pip install -e ".[hf]"':
+        "the hf stage of .ci/run installs the hf extra into its fresh venv (pip install -e \".[dev,hf]\")",
+}  # fmt: skip
+
+# What the README tells the user each command prints (regular expressions, each must match the
+# output) and writes (globs, each must match a file), from the text around the command.
+SEED_LINES = [r"Train Epoch: 1 \tLoss: \d+\.\d{6}\n",
+              r"Test set: Average loss: \d+\.\d{4}, Accuracy: \d+/\d+ \(\d+\.\d\d%\)",
+              r"Epoch 1 time: \d+\.\d\ds \([\d,]+ samples/s\)"]  # fmt: skip
+TWO_CPU_RANKS = r"on 2 rank\(s\) \[cpu/gloo\]"
+CONFIG = r"fsdp2lab: resolved config\n"
+EXPECT: dict[str, tuple[list[str], list[str]]] = {
+    "python3 -m venv .venv && .venv/bin/pip install -q -e . && .venv/bin/fsdp2lab train": (
+        [r"fsdp2lab: dataset: (mnist|fashion-mnist)", r"fsdp2lab: fsdp2 " + TWO_CPU_RANKS,
+         r"model cnn", *SEED_LINES, r"Accuracy: \d+/10000 "], ["data/MNIST/raw/*"]),
+    "fsdp2lab train --help": (
+        [r"--mixed-precision \{fp32,bf16,fp16\}", r"--nproc-per-node", r"\(default: fp32\)",
+         r"--on-nan \{stop,skip\}"], []),
+    "fsdp2lab train --dataset mnist --epochs 14 --recipe seed": (
+        [CONFIG, r'optimizer = "adadelta"', r"epochs = 14", r"global batch 64 ", *SEED_LINES,
+         r"Accuracy: \d+/10000 "], []),
+    "fsdp2lab train --nproc-per-node 4 --dp-replicate 2": (
+        [r"on 4 rank\(s\) \[cpu/gloo\], mesh dp_replicate=2 x dp_shard=2", *SEED_LINES], []),
+    "fsdp2lab train --model gpt --dataset text --text-file README.md --seq-len 128 --d-model 256 --n-heads 8 --optimizer adamw --lr 1e-3 --scheduler cosine --max-grad-norm 1.0 --mixed-precision bf16 --global-batch-size 32 --epochs 3": (
+        [r"model gpt \(", r'mixed_precision = "bf16"', r"global batch 32 ", r"fsdp2lab: dataset: bytes of README\.md"], []),
+    "fsdp2lab train --config configs/gpt-small.toml --epochs 1": (
+        [CONFIG, r"model gpt \(", r"epochs = 1\n"], []),
+    "fsdp2lab train --nproc-per-node 2": ([TWO_CPU_RANKS, *SEED_LINES], []),
+    "torchrun --nproc-per-node 2 -m fsdp2lab train": ([TWO_CPU_RANKS, *SEED_LINES], []),
+    "fsdp2lab train --model mlp --dataset synthetic --log-every-steps 1 --strategy ddp --tensorboard runs/ddp": (
+        [r"ddp " + TWO_CPU_RANKS, r"TensorBoard logs in runs/ddp"], ["runs/ddp/events.out.tfevents.*"]),
+    "fsdp2lab train --model mlp --dataset synthetic --log-every-steps 1 --strategy fsdp2 --tensorboard runs/fsdp2 --metrics-file fsdp2.jsonl": (
+        [r"fsdp2 " + TWO_CPU_RANKS], ["runs/fsdp2/events.out.tfevents.*", "fsdp2.jsonl"]),
+    "fsdp2lab report runs/ddp fsdp2.jsonl --out loss-curves.png": (
+        [r"wrote loss-curves\.png"], ["loss-curves.png"]),
+    "fsdp2lab train --eval-every-steps 200 --target-accuracy 0.9": (
+        [r"target_accuracy = 0\.9", *SEED_LINES], []),
+    "fsdp2lab train --max-steps 20 --profile prof": (
+        [r"exposed_comm", r"compute", r"optimizer"],
+        ["prof/rank0.pt.trace.json", "prof/rank1.pt.trace.json"]),
+    "fsdp2lab train --model examples/my_model.py:build --model-args 'width=256,depth=4' --input-shape 1,28,28 --dataset fashion-mnist --epochs 1": (
+        [r"model examples/my_model\.py:build \(", r"dataset: fashion-mnist", *SEED_LINES], []),
+    "fsdp2lab train --model examples/my_model.py:build --input-shape 1,28,28 --dataset synthetic --strategy ddp --activation-checkpointing full": (
+        [r"ddp " + TWO_CPU_RANKS, r'activation_checkpointing = "full"', *SEED_LINES], []),
+    "fsdp2lab train --model gpt --nproc-per-node 2 --tp 2": ([r"mesh dp_shard=1 x tp=2"], []),
+    "fsdp2lab train --model gpt --nproc-per-node 4 --tp 2": ([r"mesh dp_shard=2 x tp=2"], []),
+    "fsdp2lab train --model gpt --nproc-per-node 2 --pp 2": (
+        [r"mesh pp=2 x dp_shard=1", r"fsdp2lab: pipeline: stage 0 \[", r'pp_schedule = "1f1b"'], []),
+    "fsdp2lab train --model gpt --nproc-per-node 4 --pp 2 --pp-schedule gpipe": (
+        [r"mesh pp=2 x dp_shard=2", r"fsdp2lab: pipeline: stage 0 \[", r'pp_schedule = "gpipe"'], []),
+    "fsdp2lab train --model mlp2 --strategy model-parallel": (
+        [r"model-parallel on 1 rank\(s\)", *SEED_LINES], []),
+    "fsdp2lab bench --strategies ddp,fsdp1,fsdp2,hsdp --world-sizes 1,2,4 --models cnn --out results/cmp -- --dataset synthetic --epochs 1": (
+        [r"fsdp2lab bench: \d+ runs into results/cmp"], ["results/cmp/*/status.json"]),
+    "fsdp2lab report results/cmp": (
+        [r"wrote results/cmp/results\.csv"],
+        ["results/cmp/results.csv", "results/cmp/summary.md", "results/cmp/plots/*.png"]),
+    "fsdp2lab train --ckpt-dir ckpt --ckpt-every-steps 500 --keep-last 3 --async-checkpoint": (
+        [r"fsdp2lab: checkpoint saved: ckpt/step-2 \("], ["ckpt/step-2/COMPLETE", "ckpt/latest"]),
+    "fsdp2lab train --ckpt-dir ckpt": (
+        [r"fsdp2lab: checkpoint: resumed from ckpt/step-2: step 2"], []),
+    "fsdp2lab train --ckpt-dir ckpt --nproc-per-node 4 --dp-replicate 2": (
+        [r"resumed from ckpt/step-2: step 2", r"mesh dp_replicate=2 x dp_shard=2"], []),
+    "fsdp2lab ckpt info ckpt": (
+        [r"step: 2\n", r"mesh: ", r"strategy: fsdp2", r"tensors: \d+, [\d,]+ bytes"], []),
+    "fsdp2lab ckpt export ckpt model.pt": ([r"exported \d+ tensors"], ["model.pt"]),
+    "fsdp2lab ckpt export ckpt model.safetensors": (
+        [r"exported \d+ tensors"], ["model.safetensors"]),
+    "fsdp2lab ckpt import model.pt tune && fsdp2lab train --ckpt-dir tune --epochs 3": (
+        [r"imported model\.pt as tune", r"loaded model weights from tune"], []),
 }  # fmt: skip
 
 
@@ -53,16 +127,19 @@ def readme_blocks() -> list[list[str]]:
 
 
 def shortened(command: str) -> str:
-    """``command`` with every training run cut to 2 steps, and without its venv and pip install
-    steps (``.ci/run`` makes a fresh venv and installs the package the same way)."""
+    """``command`` with every training run cut to 2 steps (unless it sets its own --max-steps),
+    and without its venv and pip install steps (``.ci/run`` makes a fresh venv and installs the
+    package the same way). Never empty: a command that is only set-up belongs in ``ELSEWHERE``."""
     parts = []
     for part in command.split(" && "):
         if part.startswith("python3 -m venv ") or re.search(r"\bpip install\b", part):
             continue
         # bench passes what follows ``--`` to each of its training runs
-        if re.search(r"fsdp2lab (bench .* -- |train(?! --help))", part):
+        training = re.search(r"fsdp2lab (bench .* -- |train(?! --help))", part)
+        if training and "--max-steps" not in part:
             part = f"{part} {SHORT}"
         parts.append(part)
+    assert parts, f"README command shortened to nothing: {command!r}; list it in ELSEWHERE"
     return " && ".join(parts)
 
 
@@ -74,6 +151,18 @@ def test_every_readme_command_is_run_here_or_named_elsewhere():
     commands = {c for block in readme_blocks() for c in block}
     assert set(ELSEWHERE) <= commands, f"gone from the README: {set(ELSEWHERE) - commands}"
     assert len(BLOCKS) >= 5, BLOCKS
+    run_here = {c for block in BLOCKS for c in block}
+    assert run_here == set(EXPECT), (
+        f"README commands without expectations: {sorted(run_here - set(EXPECT))}; "
+        f"expectations of commands gone from the README: {sorted(set(EXPECT) - run_here)}"
+    )
+    assert all(shortened(c) for c in run_here)
+
+
+def test_a_set_up_only_command_cannot_shrink_to_nothing():
+    with pytest.raises(AssertionError, match="shortened to nothing"):
+        shortened('pip install -e ".[hf]"')
+    assert shortened("fsdp2lab train --max-steps 20 --profile prof").endswith("--profile prof")
 
 
 @pytest.fixture
@@ -103,7 +192,13 @@ def test_readme_block_runs_as_written(block, workspace):
             text=True,
             timeout=600,
         )
+        shown = f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
         assert proc.returncode == 0, (
-            f"README command failed ({proc.returncode}): {command}\n"
-            f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+            f"README command failed ({proc.returncode}): {command}\n{shown}"
         )
+        lines, files = EXPECT[command]
+        output = proc.stdout + proc.stderr
+        missing = [pattern for pattern in lines if not re.search(pattern, output)]
+        assert not missing, f"{command}: the README's lines not printed: {missing}\n{shown}"
+        absent = [glob for glob in files if not list(workspace.glob(glob))]
+        assert not absent, f"{command}: the README's files not written: {absent}\n{shown}"

@@ -12,20 +12,21 @@ step: as close to the target's straight run as the source's straight run is.
 Before training, each cell also gathers every parameter, optimizer state tensor and
 hyperparameter of the freshly loaded trainer to full and compares it bitwise with what the
 checkpoint holds (tests/scripts/resume_matrix.py).
+
+Negative controls: in one cell per optimizer the loaded state of the running trainer is changed in
+one place before it trains (one optimizer state row zeroed, the data position one global batch on,
+the schedule stepped once more); both checks must then fail.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import cli_env, read_metrics
+from conftest import read_metrics, run_variants
 
-SCRIPT = Path(__file__).parent / "scripts" / "resume_matrix.py"
 SAVE_AT, STEPS = 15, 30
 COMMON = ["--model", "mlp", "--dataset", "synthetic", "--synthetic-size", "960", "--seed", "3",
           "--global-batch-size", "48", "--dropout", "0", "--mixed-precision", "fp32",
@@ -46,6 +47,10 @@ LAYOUTS = {
     "hsdp-2x2": (4, ["--dp-replicate", "2"]),
     "fsdp2-tp-2x2": (4, ["--tp", "2"]),
 }
+# Negative controls: changes to the loaded state (tests/scripts/resume_matrix.py's Mutate), in
+# a cell where the curve tolerance is that of two layouts (not the bitwise one of the same layout).
+MUTATIONS = ["optim-row", "data", "scheduler"]
+MUTATED_CELL = ("fsdp2-4", "fsdp2-2")
 CELLS = [  # (source, target)
     ("fsdp2-4", "fsdp2-2"),
     ("fsdp2-2", "fsdp2-4"),
@@ -60,14 +65,11 @@ CELLS = [  # (source, target)
 
 
 def _run_ranks(out: Path, ranks: int, variants: dict) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={ranks}", str(SCRIPT), str(out), json.dumps(variants), *COMMON]  # fmt: skip
-    proc = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    run_variants(out, ranks, variants, COMMON)
 
 
-def _cell(source: str, target: str, opt: str) -> str:
-    return f"{source}-to-{target}-{opt}"
+def _cell(source: str, target: str, opt: str, mutation: str | None = None) -> str:
+    return f"{source}-to-{target}-{opt}" + (f"-{mutation}" if mutation else "")
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +97,14 @@ def matrix(tmp_path_factory) -> Path:
                 "flags": [*flags, *opt_flags, "--resume", ckpt],
                 "check": ckpt,
             }
+            if (source, target) != MUTATED_CELL:
+                continue
+            for mutation in MUTATIONS:
+                resumes[ranks][_cell(source, target, opt, mutation)] = {
+                    "flags": [*flags, *opt_flags, "--resume", ckpt],
+                    "check": ckpt,
+                    "mutate": mutation,
+                }
     # Sources before the resumes that read them: 1, 3 and 4 ranks; 2 (its resumes read 3 and 4);
     # then the resumes on 4 (they read 1 and 2).
     for ranks in (1, 3):
@@ -111,12 +121,9 @@ def _losses(out: Path, name: str) -> dict[int, float]:
     }
 
 
-@pytest.mark.parametrize("opt", list(OPTIMIZERS))
-@pytest.mark.parametrize(("source", "target"), CELLS, ids=[f"{s}->{t}" for s, t in CELLS])
-def test_resumed_state_is_the_saved_state_bitwise(matrix, source, target, opt):
-    name = _cell(source, target, opt)
+def check_state(matrix: Path, name: str, ranks: int) -> None:
     reports = [json.loads(p.read_text()) for p in sorted(matrix.glob(f"{name}.state.rank*.json"))]
-    assert len(reports) == LAYOUTS[target][0]
+    assert len(reports) == ranks
     compared = {k for r in reports for k in r["compared"]}
     assert set(reports[0]["expected"]) <= compared, "tensors of the checkpoint not compared"
     assert {"scheduler", "train_state"} <= compared
@@ -124,11 +131,9 @@ def test_resumed_state_is_the_saved_state_bitwise(matrix, source, target, opt):
     assert not mismatched, f"loaded state differs from the saved: {mismatched}"
 
 
-@pytest.mark.parametrize("opt", list(OPTIMIZERS))
-@pytest.mark.parametrize(("source", "target"), CELLS, ids=[f"{s}->{t}" for s, t in CELLS])
-def test_resumed_curve_follows_the_straight_run_at_the_target(matrix, source, target, opt):
+def check_curve(matrix: Path, source: str, target: str, opt: str, name: str) -> None:
     src, tgt = _losses(matrix, f"{source}-{opt}"), _losses(matrix, f"{target}-{opt}")
-    resumed = _losses(matrix, _cell(source, target, opt))
+    resumed = _losses(matrix, name)
     assert sorted(src) == sorted(tgt) == list(range(1, STEPS + 1))
     assert sorted(resumed) == list(range(SAVE_AT + 1, STEPS + 1))
     straight_gap, report, worst = 0.0, [], 0.0
@@ -139,4 +144,29 @@ def test_resumed_curve_follows_the_straight_run_at_the_target(matrix, source, ta
         diff, tol = abs(resumed[step] - tgt[step]), max(1e-6, 2 * straight_gap)
         worst = max(worst, diff / tol)
         report.append(f"step {step}: resumed - target {diff:.1e} (tolerance {tol:.1e})")
+    largest = max(abs(resumed[s] - tgt[s]) for s in resumed)
+    print(f"{name}: largest |resumed - target| {largest:.1e}")
     assert worst <= 1.0, "\n".join(report)
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+@pytest.mark.parametrize(("source", "target"), CELLS, ids=[f"{s}->{t}" for s, t in CELLS])
+def test_resumed_state_is_the_saved_state_bitwise(matrix, source, target, opt):
+    check_state(matrix, _cell(source, target, opt), LAYOUTS[target][0])
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+@pytest.mark.parametrize(("source", "target"), CELLS, ids=[f"{s}->{t}" for s, t in CELLS])
+def test_resumed_curve_follows_the_straight_run_at_the_target(matrix, source, target, opt):
+    check_curve(matrix, source, target, opt, _cell(source, target, opt))
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+@pytest.mark.parametrize("mutation", MUTATIONS)
+def test_a_changed_loaded_state_fails_both_checks(matrix, mutation, opt):
+    source, target = MUTATED_CELL
+    name = _cell(source, target, opt, mutation)
+    with pytest.raises(AssertionError, match="loaded state differs from the saved"):
+        check_state(matrix, name, LAYOUTS[target][0])
+    with pytest.raises(AssertionError, match="resumed - target"):
+        check_curve(matrix, source, target, opt, name)

@@ -1,16 +1,26 @@
 """Run under torchrun: train the variants of one world size in the same ranks, and check loaded state.
 
-    resume_matrix.py OUT_DIR '{"name": {"flags": [...], "check": "CKPT" | null}, ...}' COMMON...
+    resume_matrix.py OUT_DIR '{"name": {"flags": [...], "check": CKPT, "mutate": M, "env": {}}, ...}' COMMON...
 
-Each variant trains as ``fsdp2lab train COMMON FLAGS --metrics-file OUT_DIR/<name>.jsonl``. A variant
-with ``check`` first loads that checkpoint into a fresh trainer of its layout and compares, tensor
-by tensor and bitwise, every parameter, every optimizer state tensor and hyperparameter (gathered
-to full), the scheduler and the train state with what the checkpoint holds; each rank writes what
-it compared to OUT_DIR/<name>.state.rank<R>.json.
+Each variant trains as ``fsdp2lab train COMMON FLAGS --metrics-file OUT_DIR/<name>.jsonl`` (the
+real session, with the hooks below added after the checkpoint hook; ``env``: fault injection
+variables set for this variant only, e.g. ``FSDP2LAB_NAN_AT``). Once the checkpoint is loaded
+into the running trainer (``before_fit``):
+
+- ``mutate`` (optional) changes that trainer's state, a negative control: ``optim-row`` zeroes
+  one row of one optimizer state tensor, ``data`` moves the data position one global batch on,
+  ``scheduler`` steps the schedule once more, ``drop-batch`` moves data position and step count
+  one global batch on (a run whose sampler drops the next batch: the reference of ``--on-nan skip``),
+  ``scaler`` puts back a fresh gradient scaler's state (fp16);
+- ``check`` (a checkpoint path) compares, tensor by tensor and bitwise, every parameter, every
+  optimizer state tensor and hyperparameter (gathered to full), the scheduler, the train state and
+  the gradient scaler with what the checkpoint holds; each rank writes what it compared to
+  OUT_DIR/<name>.state.rank<R>.json.
 """
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -18,12 +28,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.tensor import DTensor
 
 from fsdp2lab.config import add_train_arguments, config_from_args
 from fsdp2lab.runtime import distributed, launch_env
-from fsdp2lab.training.checkpointing import CheckpointManager
-from fsdp2lab.training.session import run_training
-from fsdp2lab.training.trainer import Trainer
+from fsdp2lab.training import session
+from fsdp2lab.training.hooks import Hooks
 
 FULL = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
 
@@ -54,40 +64,89 @@ def differs(a, b) -> bool:
     return a != b
 
 
-def check_loaded_state(cfg, runtime, ckpt: str, out: Path, name: str) -> None:
-    saved = saved_state(ckpt, out, name)
-    manager = CheckpointManager(cfg, runtime)
-    trainer = Trainer(cfg, runtime, hooks=[manager])
-    manager.before_fit(trainer)  # loads ckpt: DCP reshards to this layout
-    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=FULL)
-    compared, mismatched = [], []
-    for part, live in (("model", model_sd), ("optim", optim_sd)):
-        for key, value in live.items():
-            if isinstance(value, torch.distributed.tensor.DTensor):
-                value = value.full_tensor()
-            compared.append(f"{part}.{key}")
-            if key not in saved[part] or differs(value, saved[part][key]):
-                mismatched.append(f"{part}.{key}")
-    for part, live in (("scheduler", trainer.scheduler.state_dict()), ("train_state", None)):
-        live = live if live is not None else vars(trainer.state)
-        compared.append(part)
-        if any(differs(live.get(k), v) for k, v in saved[part].items()):
-            mismatched.append(part)
-    expected = [f"model.{k}" for k in saved["model"]] + [f"optim.{k}" for k in saved["optim"]]
-    report = {"compared": compared, "mismatched": mismatched, "expected": expected}
-    (out / f"{name}.state.rank{runtime.rank}.json").write_text(json.dumps(report))
+class Mutate(Hooks):
+    """A negative control: change the freshly loaded trainer's state in one place."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def before_fit(self, trainer) -> None:
+        st, batch = trainer.state, trainer.plan.global_batch
+        if self.what == "optim-row":
+            param = next(p for p in trainer.model.parameters() if p.dim() == 2)
+            state = trainer.optimizer.state[param]
+            key = next(k for k in ("exp_avg_sq", "square_avg", "momentum_buffer") if k in state)
+            local = state[key].to_local() if isinstance(state[key], DTensor) else state[key]
+            if trainer.runtime.rank == 0:  # row 0 of the full tensor
+                local[0].zero_()
+        elif self.what in ("data", "drop-batch"):
+            st.samples_seen += batch
+            st.epoch_samples += batch
+            st.step += self.what == "drop-batch"
+        elif self.what == "scheduler":
+            trainer.scheduler.step()
+        elif self.what == "scaler":
+            trainer.scaler.load_state_dict(torch.amp.GradScaler(trainer.device.type).state_dict())
+        else:
+            raise ValueError(self.what)
+
+
+class CheckLoaded(Hooks):
+    """Compare the running trainer's state, as loaded, with the checkpoint's (see the docstring)."""
+
+    def __init__(self, ckpt: str, out: Path, name: str):
+        self.ckpt, self.out, self.name = ckpt, out, name
+
+    def before_fit(self, trainer) -> None:
+        saved = saved_state(self.ckpt, self.out, self.name)
+        model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=FULL)
+        compared, mismatched = [], []
+        for part, live in (("model", model_sd), ("optim", optim_sd)):
+            for key, value in live.items():
+                if isinstance(value, DTensor):
+                    value = value.full_tensor()
+                compared.append(f"{part}.{key}")
+                if key not in saved[part] or differs(value, saved[part][key]):
+                    mismatched.append(f"{part}.{key}")
+        live_parts = {
+            "scheduler": trainer.scheduler.state_dict(),
+            "train_state": vars(trainer.state),
+        }
+        if trainer.scaler is not None:
+            live_parts["scaler"] = trainer.scaler.state_dict()
+        for part, live in live_parts.items():
+            compared.append(part)
+            if part not in saved or any(differs(live.get(k), v) for k, v in saved[part].items()):
+                mismatched.append(part)
+        expected = [f"model.{k}" for k in saved["model"]] + [f"optim.{k}" for k in saved["optim"]]
+        expected += [p for p in ("scaler",) if p in saved]
+        report = {"compared": compared, "mismatched": mismatched, "expected": expected}
+        rank = trainer.runtime.rank
+        (self.out / f"{self.name}.state.rank{rank}.json").write_text(json.dumps(report))
 
 
 def main() -> None:
     out, variants, common = Path(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3:]
     runtime = distributed.init(launch_env.detect(), "cpu")
+    observers = session.observers
     try:
         for name, spec in variants.items():
-            flags = [*common, *spec["flags"]]
+            extra: list[Hooks] = []
+            if spec.get("mutate"):
+                extra.append(Mutate(spec["mutate"]))
             if spec.get("check"):
-                check_loaded_state(config(flags), runtime, spec["check"], out, name)
-            run_training(config([*flags, "--metrics-file", str(out / f"{name}.jsonl")]), runtime)
+                extra.append(CheckLoaded(spec["check"], out, name))
+            # The real session; these hooks run right after the checkpoint hook has loaded.
+            session.observers = lambda cfg, rt, extra=extra: [*extra, *observers(cfg, rt)]
+            flags = [*common, *spec["flags"], "--metrics-file", str(out / f"{name}.jsonl")]
+            os.environ.update(spec.get("env", {}))
+            try:
+                session.run_training(config(flags), runtime)
+            finally:
+                for key in spec.get("env", {}):
+                    del os.environ[key]
     finally:
+        session.observers = observers
         distributed.destroy()
 
 

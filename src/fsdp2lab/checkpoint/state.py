@@ -6,6 +6,7 @@ Top-level keys of the DCP state dict:
   on load, so any world size, mesh or strategy can read them);
 - ``scheduler``: the LR scheduler's state dict;
 - ``train_state``: epoch, step, samples seen, samples into the epoch (world-size independent);
+- ``scaler``: with ``--mixed-precision fp16``, the gradient scaler's state (scale, growth tracker);
 - ``run``: JSON of how the run was set up (model, strategy, world size, mesh, config, and a
   Hugging Face model's config as ``hf_config``, which ``ckpt export`` writes as ``config.json``);
 - ``ranks.<R>``: rank R's own state: CPU (and CUDA) RNG states and its data loader's state dict.
@@ -55,18 +56,20 @@ class Checkpointable(Protocol):
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: LRScheduler
+    scaler: Any  # torch.amp.GradScaler under fp16, else None
     state: Any  # a dataclass of counters (``training.hooks.TrainState``)
     sampler: Any  # ``data.sampler.DistributedBatchSampler``
     loader: Any  # a stateful data loader
 
 
-MODEL, OPTIM, SCHEDULER, TRAIN_STATE, RUN, RANKS = (
+MODEL, OPTIM, SCHEDULER, TRAIN_STATE, RUN, RANKS, SCALER = (
     "model",
     "optim",
     "scheduler",
     "train_state",
     "run",
     "ranks",
+    "scaler",
 )
 FULL_CONTENTS = [MODEL, OPTIM, SCHEDULER, TRAIN_STATE, RUN, RANKS]
 
@@ -116,7 +119,8 @@ def hf_config_of(model: torch.nn.Module) -> dict | None:
 
 def marker_info(trainer: Checkpointable) -> dict:
     """What the COMPLETE mark says about a checkpoint of ``trainer`` (for ``ckpt info``)."""
-    return {**asdict(trainer.state), **run_info(trainer), "contents": FULL_CONTENTS}
+    contents = FULL_CONTENTS + ([SCALER] if trainer.scaler is not None else [])
+    return {**asdict(trainer.state), **run_info(trainer), "contents": contents}
 
 
 def _rank_state(trainer: Checkpointable) -> dict:
@@ -132,7 +136,7 @@ def _rank_state(trainer: Checkpointable) -> dict:
 def capture(trainer: Checkpointable) -> dict:
     """The state dict to save. Tensors alias the live ones: save (or stage) it before training on."""
     model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=OPTIONS)
-    return {
+    state = {
         MODEL: model_sd,
         OPTIM: optim_sd,
         SCHEDULER: trainer.scheduler.state_dict(),
@@ -140,6 +144,9 @@ def capture(trainer: Checkpointable) -> dict:
         RUN: json.dumps(run_info(trainer)),
         RANKS: {str(trainer.runtime.rank): _rank_state(trainer)},
     }
+    if trainer.scaler is not None:
+        state[SCALER] = trainer.scaler.state_dict()
+    return state
 
 
 def saved_run(ckpt: Checkpoint) -> dict:
@@ -159,6 +166,8 @@ def template(trainer: Checkpointable, ckpt: Checkpoint) -> dict:
         SCHEDULER: trainer.scheduler.state_dict(),
         TRAIN_STATE: asdict(trainer.state),
     }
+    if trainer.scaler is not None and SCALER in ckpt.contents:  # else a fresh scaler starts
+        state[SCALER] = trainer.scaler.state_dict()
     mine = own_rank_keys(trainer, ckpt)
     if mine:
         state[RANKS] = {str(trainer.runtime.rank): mine}
@@ -198,6 +207,8 @@ def apply(trainer: Checkpointable, loaded: dict) -> None:
     ):
         group["lr"] = lr
     trainer.state = replace(trainer.state, **loaded[TRAIN_STATE])
+    if SCALER in loaded:
+        trainer.scaler.load_state_dict(loaded[SCALER])
 
 
 def restore_rng(trainer: Checkpointable, rank_state: dict) -> None:

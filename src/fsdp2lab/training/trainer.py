@@ -186,6 +186,8 @@ class Trainer:
             )
         if any([hook.before_optimizer_step(self, loss_sum) for hook in self.hooks]):
             self.optimizer.zero_grad(set_to_none=True)  # the update is dropped
+            if self.scaler is not None:  # its inf check ran: it backs off as after an overflow
+                self.scaler.update()
             return loss_sum, 0
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
@@ -309,6 +311,7 @@ class Trainer:
             loss=mean_loss,
             grad_norm=None if self.last_grad_norm is None else float(self.last_grad_norm),
             lr=self.optimizer.param_groups[0]["lr"],
+            **({"loss_scale": self.scaler.get_scale()} if self.scaler is not None else {}),
             samples_seen=self.state.samples_seen,
             **self.throughput.since_mark(self.state.samples_seen),
             **memory,
