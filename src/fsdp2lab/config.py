@@ -86,7 +86,11 @@ class TrainConfig:
     test_batch_size: int = _opt(1000, "per-rank evaluation batch")
     grad_accum_steps: int = _opt(1, "micro-batches per optimizer step; sync only on the last")
     epochs: int = _opt(2, "training epochs")
-    max_steps: int | None = _opt(None, "stop after this many optimizer steps (overrides --epochs)")
+    max_steps: int | None = _opt(
+        None,
+        "stop after this many optimizer steps (overrides --epochs; 0: build and load the model, "
+        "save what is asked, exit)",
+    )
     eval_every_steps: int | None = _opt(
         None, "also evaluate on the test set every N optimizer steps (always: after each epoch)"
     )
@@ -390,12 +394,12 @@ _BOUNDS: dict[str, tuple[float | None, float | None, bool]] = {
         for name in (
             "n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "synthetic_size",
             "global_batch_size", "batch_size", "test_batch_size", "grad_accum_steps", "epochs",
-            "max_steps", "dp_replicate", "tp", "pp", "pp_microbatches", "fsdp1_min_params",
+            "dp_replicate", "tp", "pp", "pp_microbatches", "fsdp1_min_params",
             "fsdp_unit_min_params", "ckpt_every_steps", "nproc_per_node", "num_classes",
             "log_every_steps", "eval_every_steps", "profile_steps",
         )
     },
-    **{name: (0, None, True) for name in ("lr", "weight_decay", "warmup_steps", "num_workers", "seed", "prefetch", "keep_last")},
+    **{name: (0, None, True) for name in ("lr", "weight_decay", "warmup_steps", "num_workers", "seed", "prefetch", "keep_last", "max_steps")},
     "collective_timeout": (0, None, False),
     "gamma": (0, None, False),
     "max_grad_norm": (0, None, False),

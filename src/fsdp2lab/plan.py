@@ -9,6 +9,7 @@ the strategies and ``bench`` read it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -78,7 +79,9 @@ def resolve(cfg: TrainConfig, world_size: int) -> RunPlan:
         check_available(cfg.device)
     dims = ParallelDims.resolve(world_size, cfg.dp_replicate, cfg.dp_shard, cfg.tp, cfg.pp)
     spec = get_spec(cfg.model, cfg)
-    cfg = cfg.with_recipe(spec.recipes.get(_dataset(cfg, spec), {}))
+    cfg = dataclasses.replace(cfg, **spec.fixed).with_recipe(
+        spec.recipes.get(_dataset(cfg, spec), {})
+    )
     global_batch, micro_batch = batch_sizes(cfg, dims.dp)
 
     if cfg.dataset != "auto" and not is_reference(cfg.dataset) and cfg.dataset not in spec.datasets:

@@ -47,6 +47,8 @@ listing the process groups                -        private ``distributed_c10d._w
 CUDA memory snapshot                      <=2.6    private ``torch.cuda.memory._record_memory_history``
                                                    / ``_dump_snapshot`` (``cuda_memory_history``)
 Adam/AdamW fused=True on CPU              <=2.6    (on FSDP2's DTensor shards: tested from 2.8)
+a DTensor's part: shape and offset        <=2.6    private ``compute_local_shape_and_global_offset``
+                                                   (``local_shape_and_offset``)
 a DTensor's local tensor itself           <=2.6    private ``_local_tensor`` (``local_tensor``):
                                                    ``to_local()`` is differentiable, and from
                                                    2.15 gives a parameter a fresh view
@@ -156,6 +158,18 @@ def set_unshard_async_op(module: FSDPModule, enabled: bool) -> bool:
 def local_tensor(dtensor: Any) -> torch.Tensor:
     """The tensor a DTensor holds on this rank: the same object at every call, no autograd."""
     return dtensor._local_tensor
+
+
+def local_shape_and_offset(dtensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shape of this rank's part of a DTensor and where it starts in the full tensor
+    (uneven shards, several mesh dimensions): private ``compute_local_shape_and_global_offset``
+    (the function DCP plans its reads with)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(
+        dtensor.shape, dtensor.device_mesh, dtensor.placements
+    )
+    return tuple(shape), tuple(offset)
 
 
 # ---------------------------------------------------------------------- process groups

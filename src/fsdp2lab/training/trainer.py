@@ -104,7 +104,7 @@ class Trainer:
     # ------------------------------------------------------------------ setup helpers
     def _total_steps(self) -> int:
         steps = self.sampler.steps_per_epoch * self.cfg.epochs
-        return min(steps, self.cfg.max_steps) if self.cfg.max_steps else steps
+        return min(steps, self.cfg.max_steps) if self.cfg.max_steps is not None else steps
 
     def describe(self) -> str:
         mesh = " x ".join(
