@@ -45,8 +45,9 @@ class TrainConfig:
     # model
     model: str = _opt(
         "cnn",
-        "cnn, mlp, mlp2, cifar-cnn, gpt, or your own: pkg.module:NAME or path/file.py:NAME "
-        "(a factory returning an nn.Module, or a ModelSpec)",
+        "cnn, mlp, mlp2, cifar-cnn, gpt, hf:PATH (a pretrained Hugging Face folder, or a hub id "
+        "in the local cache), or your own: pkg.module:NAME or path/file.py:NAME (a factory "
+        "returning an nn.Module, or a ModelSpec)",
     )
     model_args: str = _opt("", "your model's factory keywords: 'k=v,...' (values read as JSON)")
     input_shape: str | None = _opt(
@@ -71,11 +72,17 @@ class TrainConfig:
     dataset: str = _opt(
         "auto",
         "auto (mnist, else fashion-mnist, else synthetic) | mnist | fashion-mnist | cifar10 | "
-        "synthetic | text | your own: pkg.module:NAME or file.py:NAME returning (train, test)",
+        "synthetic | text | tokens:DIR (a token file from `fsdp2lab data prepare`) | your own: "
+        "pkg.module:NAME or file.py:NAME returning (train, test)",
     )
     data_dir: str = _opt("./data", "where datasets are stored or downloaded")
     download: bool = _opt(True, "download a missing dataset (rank 0 only)")
     text_file: str | None = _opt(None, "dataset text: train the gpt on the bytes of this file")
+    tokenizer: str | None = _opt(
+        None,
+        "dataset tokens:DIR: the tokenizer folder you train with; refused if DIR was made with "
+        "another (their files' hashes differ)",
+    )
     synthetic_size: int = _opt(8192, "synthetic: number of training samples (test set is 1/4)")
     num_workers: int = _opt(0, "data loader worker processes per rank")
     # batch and schedule

@@ -23,7 +23,7 @@ import torch.nn as nn
 from fsdp2lab.errors import UsageError
 from fsdp2lab.models.spec import ModelSpec, infer_units
 
-ALL_DATASETS = ("mnist", "fashion-mnist", "cifar10", "synthetic", "text")
+ALL_DATASETS = ("mnist", "fashion-mnist", "cifar10", "synthetic", "text", "tokens")
 
 
 # Prefixes of pretrained models and token files: they win over the ``module:attr`` form.

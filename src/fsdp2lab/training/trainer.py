@@ -65,6 +65,7 @@ class Trainer:
             self.dims.dp,
             self.dp_rank,
             cfg.seed,
+            **data_loader.sampler_order(self.train_set),
         )
         self.loader = data_loader.train_loader(self.train_set, self.sampler, cfg, self.device)
         self.total_steps = self._total_steps()
