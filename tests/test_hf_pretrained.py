@@ -246,3 +246,43 @@ def test_a_hub_id_in_the_local_cache_is_found_offline(folders, tmp_path, monkeyp
     plan = resolve(TrainConfig(model="hf:some-org/tiny-llama", seq_len=SEQ), 1)
     assert plan.spec.source == str(snapshot)
     assert plan.spec.load_weights is not None
+
+
+# ---------------------------------------------------------------------------- round trip
+
+
+def test_fine_tune_on_tokens_then_export_loads_in_from_pretrained_with_tokenizer(folders, tmp_path):
+    """prepare -> train (FSDP2, 2 ranks) -> ckpt export: from_pretrained gives the trained
+    logits, and the folder holds the source's tokenizer files and generation config."""
+    from test_hf_tokens import documents, make_tokenizer
+
+    source = tmp_path / "llama"
+    shutil.copytree(folders["llama"], source)
+    make_tokenizer(source)  # vocabulary 300: the model's
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents(300, seed=2)))
+    prepare = ["data", "prepare", "--tokenizer", str(source), "--input", str(corpus),
+               "--out", str(tmp_path / "tokens"), "--progress", "off"]  # fmt: skip
+    assert cli.main(prepare) == 0
+    run = train(tmp_path, "--model", f"hf:{source}", "--dataset", f"tokens:{tmp_path / 'tokens'}",
+                "--tokenizer", str(source), "--nproc-per-node", "2", "--max-steps", "6",
+                "--global-batch-size", "8", "--optimizer", "adam", "--lr", "1e-3",
+                "--ckpt-dir", str(tmp_path / "ckpt"), "--save-model", str(tmp_path / "final.pt"),
+                *COMMON)  # fmt: skip
+    assert run.summary["steps"] == 6
+    out = tmp_path / "exported"
+    assert cli.main(["ckpt", "export", str(tmp_path / "ckpt"), str(out)]) == 0
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / name).read_bytes() == (source / name).read_bytes(), name
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert tokenizer.eos_token == "<eos>"
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    assert all(torch.equal(v, final[k]) for k, v in loaded.state_dict().items())
+    before = folder_tensors(source)
+    assert not torch.equal(final["model.norm.weight"], before["model.norm.weight"])  # trained
+    trained = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    trained.load_state_dict(final)
+    tokens = torch.tensor([tokenizer.encode("the quick brown fox jumps over a lazy dog")])
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens).logits, trained.eval()(tokens).logits)

@@ -46,7 +46,7 @@ def locate(reference: str) -> Path:
             f"--model hf:{where}: {path} has no config.json (expected a folder as "
             "save_pretrained writes it)"
         )
-    return path
+    return path.resolve()
 
 
 def _cached_snapshot(repo_id: str) -> Path | None:
