@@ -79,8 +79,17 @@ def folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
         ("llama", 2, ["--fsdp-units", "layer"]),
         ("llama", 4, ["--fsdp-units", "layer", "--dp-replicate", "2"]),
         ("qwen2", 2, ["--fsdp-units", "layer"]),
+        ("qwen2", 2, ["--tp", "2"]),
+        ("qwen2", 4, ["--tp", "2", "--fsdp-units", "layer"]),
     ],
-    ids=["llama-single", "llama-fsdp2-2", "llama-hsdp-2x2", "qwen2-bf16-fsdp2-2"],
+    ids=[
+        "llama-single",
+        "llama-fsdp2-2",
+        "llama-hsdp-2x2",
+        "qwen2-bf16-fsdp2-2",
+        "qwen2-tp2",
+        "qwen2-fsdp2-tp-2x2",
+    ],  # fmt: skip
 )
 def test_max_steps_0_saves_the_folders_tensors_bit_for_bit(folders, tmp_path, model, ranks, flags):
     out = tmp_path / "out.pt"
@@ -139,6 +148,43 @@ def test_fsdp2_and_hsdp_fine_tuning_match_one_process_at_every_step(folders, tmp
     hsdp = train(tmp_path, *model, *FIT, "--nproc-per-node", "4", "--dp-replicate", "2",
                  "--fsdp-units", "layer", name="hsdp")  # fmt: skip
     assert_close_lists(hsdp.step_losses, reference, 1e-5)
+
+
+def test_tp_from_the_models_own_plan_matches_one_process_at_every_step(folders, tmp_path):
+    model = ["--model", f"hf:{folders['qwen2']}"]  # untied: its plan shards embedding and head
+    single = train(tmp_path, *model, *FIT, "--strategy", "single", name="single")
+    reference = single.step_losses
+    assert len(reference) == STEPS and reference[-1] < reference[0] - 0.5, reference
+    tp = train(tmp_path, *model, *FIT, "--nproc-per-node", "2", "--tp", "2", name="tp")
+    assert_close_lists(tp.step_losses, reference, 1e-5)
+    # Each rank holds about half of the parameters (norms are replicated).
+    (full,), per_rank = (run.events("step")[0]["param_bytes"] for run in (single, tp))
+    assert max(per_rank) < 0.6 * full, (full, per_rank)
+    plan = resolve(TrainConfig(model=f"hf:{folders['qwen2']}", seq_len=SEQ, tp=2), 2)
+    styles = {k: type(v).__name__ for k, v in plan.spec.tp_plan(plan.meta_model).items()}
+    assert styles["model.layers.1.self_attn.q_proj"] == "ColwiseParallel"
+    assert styles["model.layers.1.mlp.down_proj"] == "RowwiseParallel"
+    assert styles["model.embed_tokens"] == styles["model.layers.0.self_attn.o_proj"]
+    assert styles["lm_head"] == "ColwiseParallel" and len(styles) == 2 * 7 + 2
+
+
+def test_tp_plans_fsdp2lab_cannot_follow_are_refused(folders, tmp_path):
+    with pytest.raises(UsageError, match=r"^--tp: LlamaForCausalLM ties its output head to its "
+                                         r"embedding, which its TP plan shards as separate "
+                                         r"modules \(model.embed_tokens, lm_head\)"):  # fmt: skip
+        resolve(TrainConfig(model=f"hf:{folders['llama']}", seq_len=SEQ, tp=2), 2)
+    torch.manual_seed(0)
+    qwen3 = transformers.Qwen3Config(vocab_size=256, hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=1, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)  # fmt: skip
+    transformers.Qwen3ForCausalLM(qwen3).save_pretrained(tmp_path / "qwen3")
+    with pytest.raises(UsageError, match=r"^--tp: Qwen3ForCausalLM's TP plan uses style "
+                                         r"'replicated_with_grad_allreduce' \(e.g. "
+                                         r"model.layers.0.self_attn.q_norm\), which fsdp2lab does "
+                                         r"not map"):  # fmt: skip
+        resolve(TrainConfig(model=f"hf:{tmp_path / 'qwen3'}", seq_len=SEQ, tp=2), 2)
+    with pytest.raises(UsageError, match=r"--tp 3 must divide .* num_attention_heads 4"):
+        resolve(TrainConfig(model=f"hf:{folders['qwen2']}", seq_len=SEQ, tp=3), 3)
 
 
 def test_a_config_only_folder_builds_the_model_with_the_seeded_init(folders, tmp_path):

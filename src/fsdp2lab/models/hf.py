@@ -15,6 +15,7 @@ transformers' key conversion (fused MoE experts) is refused with one line.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -124,8 +125,74 @@ def spec(reference: str, cfg) -> ModelSpec:
         datasets=("synthetic", "text", "tokens"),
         default_dataset="synthetic",
         units=infer_units,
+        tp_plan=tp_plan if getattr(config, "base_model_tp_plan", None) else None,
+        tp_sizes=tp_sizes,
         real_buffers=True,
         fixed={"vocab_size": config.vocab_size},
         load_weights=None if index is None else index.load,
         source=str(folder),
     )
+
+
+# ---------------------------------------------------------------------------- tensor parallelism
+def _styles() -> dict:
+    """transformers' TP style names -> torch's ParallelStyle (the styles dense models use)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        "colwise": ColwiseParallel,
+        "rowwise": RowwiseParallel,
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+    }
+
+
+def hf_tp_plan(model: nn.Module) -> dict[str, str]:
+    """The model's own TP plan (transformers: the config's ``base_model_tp_plan`` under the base
+    model's prefix, and the head's), its ``*`` expanded to the modules' names."""
+    plan = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None) or {}
+    names = [name for name, _ in model.named_modules() if name]
+    expanded: dict[str, str] = {}
+    for pattern, style in plan.items():
+        regex = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+") + "$")
+        expanded.update({name: style for name in names if regex.match(name)})
+    return expanded
+
+
+def tp_plan(model: nn.Module) -> dict:
+    """``{module name: ParallelStyle}`` from the model's own plan; a style not mapped here, or
+    tied embeddings the plan would shard as two modules, is a UsageError naming it."""
+    plan = hf_tp_plan(model)
+    styles = _styles()
+    unmapped = sorted({s for s in plan.values() if s not in styles})
+    if not plan:
+        raise UsageError(f"--tp: {type(model).__name__} has no tensor-parallel plan")
+    if unmapped:
+        first = next(name for name, s in plan.items() if s == unmapped[0])
+        raise UsageError(
+            f"--tp: {type(model).__name__}'s TP plan uses style {unmapped[0]!r} (e.g. {first}), "
+            f"which fsdp2lab does not map (it maps: {', '.join(styles)})"
+        )
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is not None and head.weight is embedding.weight:
+        sharded = [n for n, m in model.named_modules() if m in (head, embedding) and n in plan]
+        if sharded:
+            raise UsageError(
+                f"--tp: {type(model).__name__} ties its output head to its embedding, which its "
+                f"TP plan shards as separate modules ({', '.join(sharded)}); use a model with "
+                "tie_word_embeddings false, or no --tp"
+            )
+    return {name: styles[style]() for name, style in plan.items()}
+
+
+def tp_sizes(model: nn.Module) -> dict[str, int]:
+    """What ``--tp`` splits: attention and key/value heads, the MLP width, the vocabulary."""
+    config = model.config
+    sizes = {
+        "num_attention_heads": getattr(config, "num_attention_heads", None),
+        "num_key_value_heads": getattr(config, "num_key_value_heads", None),
+        "intermediate_size": getattr(config, "intermediate_size", None),
+        "vocab_size": getattr(config, "vocab_size", None),
+    }
+    return {k: v for k, v in sizes.items() if isinstance(v, int)}
