@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp2lab.errors import UsageError
 from fsdp2lab.models.materialize import _lookup
-from fsdp2lab.runtime.torch_compat import local_shape_and_offset, local_tensor
+from fsdp2lab.runtime.torch_compat import hf_storage_reader, local_shape_and_offset, local_tensor
 
 INDEX = "model.safetensors.index.json"
 
@@ -102,28 +102,51 @@ class WeightIndex:
 
     def load(self, model: nn.Module, reference: nn.Module) -> None:
         """Read the weights into ``model`` (parallelised and materialised); ``reference`` is the
-        unparallelised meta model it was copied from (its real non-persistent buffers)."""
+        unparallelised meta model it was copied from (its real non-persistent buffers). Through
+        DCP's HuggingFaceStorageReader where it reads slices, else safetensors' ``get_slice``."""
+        targets = self.targets(model, reference)
+        reader = hf_storage_reader()
+        with torch.no_grad():
+            if reader is not None:
+                self.read_with_dcp(targets, reader)
+            else:
+                self.read_slices(targets)
+            persistent = set(reference.state_dict(keep_vars=True))
+            for name, buffer in reference.named_buffers():
+                target = _lookup(model, name)
+                if name not in persistent and target is not None:
+                    target.copy_(buffer)
+
+    def targets(self, model: nn.Module, reference: nn.Module) -> dict[str, torch.Tensor]:
+        """{name in the files: the tensor of ``model`` it goes into}, for the tensors ``model``
+        holds (a pipeline stage holds some)."""
+        out = {}
+        for names, _, key in self._keys(reference):
+            target = next((t for t in (_lookup(model, n) for n in names) if t is not None), None)
+            if target is not None:
+                out[key] = target
+        return out
+
+    def read_slices(self, targets: dict[str, torch.Tensor]) -> None:
+        """Each target's part, read with safetensors' ``safe_open(...).get_slice``."""
         from safetensors import safe_open
 
-        with ExitStack() as stack, torch.no_grad():
+        with ExitStack() as stack:
             opened: dict[str, object] = {}
-            for names, _, key in self._keys(reference):
-                target = next(
-                    (t for t in (_lookup(model, n) for n in names) if t is not None), None
-                )
-                if target is None:  # another pipeline stage's tensor
-                    continue
+            for key, target in targets.items():
                 name = self.files[key]
                 if name not in opened:
                     opened[name] = stack.enter_context(
                         safe_open(self.folder / name, framework="pt")
                     )
                 _read_into(target, opened[name], key)
-            persistent = set(reference.state_dict(keep_vars=True))
-            for name, buffer in reference.named_buffers():
-                target = _lookup(model, name)
-                if name not in persistent and target is not None:
-                    target.copy_(buffer)
+
+    def read_with_dcp(self, targets: dict[str, torch.Tensor], reader: type) -> None:
+        """Each target's part, read by DCP (it plans each rank's slices of each file; a tensor
+        of another dtype is converted as it is copied in)."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(dict(targets), storage_reader=reader(str(self.folder)))
 
 
 def _read_into(target: torch.Tensor, file, key: str) -> None:
