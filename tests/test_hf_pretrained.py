@@ -79,6 +79,7 @@ def folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
         ("llama", 2, ["--fsdp-units", "layer"]),
         ("llama", 4, ["--fsdp-units", "layer", "--dp-replicate", "2"]),
         ("qwen2", 2, ["--fsdp-units", "layer"]),
+        ("qwen2", 2, ["--fsdp-units", "layer", "--mixed-precision", "bf16"]),
         ("qwen2", 2, ["--tp", "2"]),
         ("qwen2", 4, ["--tp", "2", "--fsdp-units", "layer"]),
     ],
@@ -87,6 +88,7 @@ def folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
         "llama-fsdp2-2",
         "llama-hsdp-2x2",
         "qwen2-bf16-fsdp2-2",
+        "qwen2-bf16-fsdp2-2-mixed-precision-bf16",
         "qwen2-tp2",
         "qwen2-fsdp2-tp-2x2",
     ],  # fmt: skip
