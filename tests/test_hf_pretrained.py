@@ -187,6 +187,8 @@ def test_tp_plans_fsdp2lab_cannot_follow_are_refused(folders, tmp_path):
         resolve(TrainConfig(model=f"hf:{tmp_path / 'qwen3'}", seq_len=SEQ, tp=2), 2)
     with pytest.raises(UsageError, match=r"--tp 3 must divide .* num_attention_heads 4"):
         resolve(TrainConfig(model=f"hf:{folders['qwen2']}", seq_len=SEQ, tp=3), 3)
+    with pytest.raises(UsageError, match=r"declares no pipeline .*so --pp cannot split it"):
+        resolve(TrainConfig(model=f"hf:{folders['qwen2']}", seq_len=SEQ, pp=2), 2)
 
 
 def test_a_config_only_folder_builds_the_model_with_the_seeded_init(folders, tmp_path):
