@@ -43,6 +43,8 @@ ELSEWHERE = {
     "fsdp2lab ckpt export hf-ckpt hf-model": "tests/test_hf.py (the hf stage of .ci/run)",
     "scripts/multinode-torchrun.sh --nnodes 2 --head 10.0.0.1 -- --model gpt":
         "needs two machines; tests/test_multinode.py runs the script as two nodes on localhost",
+    "hf download meta-llama/Llama-3.2-1B --local-dir /shared/models/llama-3.2-1b":
+        "needs internet and the Hugging Face hub",
     'pip install -e ".[hf]"':
         "the hf stage of .ci/run installs the hf extra into its fresh venv (pip install -e \".[dev,hf]\")",
 }  # fmt: skip
@@ -114,6 +116,9 @@ EXPECT: dict[str, tuple[list[str], list[str]]] = {
     "fsdp2lab ckpt import model.pt tune && fsdp2lab train --ckpt-dir tune --epochs 3": (
         [r"imported model\.pt as tune", r"loaded model weights from tune"], []),
 }  # fmt: skip
+# The fine-tuning block needs a pretrained model and the hf extra: it runs as written in
+# test_fine_tune_block_runs_as_written, on a small model the test saves.
+FINE_TUNE_START = "fsdp2lab data prepare --tokenizer my-llama"
 
 
 def readme_blocks() -> list[list[str]]:
@@ -144,7 +149,7 @@ def shortened(command: str) -> str:
 
 
 BLOCKS = [[c for c in block if c not in ELSEWHERE] for block in readme_blocks()]
-BLOCKS = [block for block in BLOCKS if block]
+BLOCKS = [block for block in BLOCKS if block and not block[0].startswith(FINE_TUNE_START)]
 
 
 def test_every_readme_command_is_run_here_or_named_elsewhere():
@@ -202,3 +207,32 @@ def test_readme_block_runs_as_written(block, workspace):
         assert not missing, f"{command}: the README's lines not printed: {missing}\n{shown}"
         absent = [glob for glob in files if not list(workspace.glob(glob))]
         assert not absent, f"{command}: the README's files not written: {absent}\n{shown}"
+
+
+@pytest.mark.readme
+@pytest.mark.hf
+def test_fine_tune_block_runs_as_written(workspace):
+    """prepare, train, export on a small Llama (with its tokenizer) saved as my-llama, and a
+    JSON-lines corpus.jsonl: the export loads in from_pretrained with its tokenizer."""
+    transformers = pytest.importorskip("transformers")
+    import json
+
+    from test_hf_pretrained import save_llama
+    from test_hf_tokens import documents, make_tokenizer
+
+    (block,) = [b for b in readme_blocks() if b[0].startswith(FINE_TUNE_START)]
+    make_tokenizer(save_llama(workspace / "my-llama", tied=True, shard=None))
+    corpus = "".join(json.dumps({"text": d}) + "\n" for d in documents(4000, seed=3))
+    (workspace / "corpus.jsonl").write_text(corpus)
+    env = cli_env({"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
+    for command in block:
+        proc = subprocess.run(["bash", "-c", shortened(command)], cwd=workspace, env=env,
+                              capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert proc.returncode == 0, (
+            f"README command failed ({proc.returncode}): {command}\n"
+            f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+        )
+    out = workspace / "my-llama-ft"
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert type(model).__name__ == "LlamaForCausalLM" and tokenizer.eos_token == "<eos>"

@@ -170,3 +170,48 @@ def test_a_changed_loaded_state_fails_both_checks(matrix, mutation, opt):
         check_state(matrix, name, LAYOUTS[target][0])
     with pytest.raises(AssertionError, match="resumed - target"):
         check_curve(matrix, source, target, opt, name)
+
+
+# ------------------------------------------------------------- token windows (--dataset tokens:)
+def _token_dir(folder: Path, count: int = 40_000, vocab: int = 64) -> Path:
+    """A token file as ``fsdp2lab data prepare`` writes it (a Markov chain, no tokenizer)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    successor = rng.permutation(vocab)
+    tokens = np.empty(count, dtype=np.uint16)
+    tokens[0] = 0
+    for i in range(1, count):
+        tokens[i] = successor[tokens[i - 1]] if rng.random() < 0.9 else rng.integers(vocab)
+    folder.mkdir()
+    n_val = count // 20
+    tokens[:-n_val].tofile(folder / "train.bin")
+    tokens[-n_val:].tofile(folder / "val.bin")
+    header = {"format": "fsdp2lab-tokens/1", "tokenizer": "none", "tokenizer_sha256": "0" * 64,
+              "vocab_size": vocab, "eos_id": 0, "dtype": "uint16", "documents": 1,
+              "train_tokens": count - n_val, "val_tokens": n_val}  # fmt: skip
+    (folder / "tokens.json").write_text(json.dumps(header))
+    return folder
+
+
+def test_token_windows_resume_at_another_world_size(tmp_path):
+    """The memory-mapped windows' order is a bijection computed per index, the same at every
+    world size: 2 ranks save at step 6, 4 ranks resume (across the epoch boundary at step 9)."""
+    from conftest import GPT_TINY, train
+
+    tokens = _token_dir(tmp_path / "tokens")
+    common = [*GPT_TINY, "--vocab-size", "64", "--dataset", f"tokens:{tokens}", "--dropout", "0",
+              "--global-batch-size", "256", "--max-steps", "11", "--log-every-steps", "1",
+              "--optimizer", "adam", "--progress", "off"]  # fmt: skip
+    two = train(tmp_path, *common, "--nproc-per-node", "2", "--ckpt-dir", str(tmp_path / "ck"),
+                "--ckpt-every-steps", "6", "--keep-last", "0", name="two")  # fmt: skip
+    four = train(tmp_path, *common, "--nproc-per-node", "4", name="four")
+    resumed = train(tmp_path, *common, "--nproc-per-node", "4", "--resume",
+                    str(tmp_path / "ck" / "step-6"), name="resumed")  # fmt: skip
+    src, tgt = two.step_losses, four.step_losses
+    assert len(src) == len(tgt) == 11 and len(resumed.step_losses) == 5
+    assert {r["epoch"] for r in four.events("step")} == {1, 2}  # 9 steps an epoch
+    gap = max(abs(a - b) for a, b in zip(src[:6], tgt[:6], strict=True))
+    for step, loss in enumerate(resumed.step_losses, start=7):
+        gap = max(gap, abs(src[step - 1] - tgt[step - 1]))
+        assert abs(loss - tgt[step - 1]) <= max(1e-6, 2 * gap), (step, loss, tgt[step - 1], gap)

@@ -6,7 +6,11 @@ In-process, on a one-rank gloo group; the pipeline tests run a one-stage pipelin
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +22,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 from torch.distributed.tensor import DTensor
 
+from conftest import cli_env
 from fsdp2lab.parallel.fsdp2 import apply_fsdp
 from fsdp2lab.runtime import torch_compat
 from fsdp2lab.runtime.torch_compat import (
@@ -307,3 +312,46 @@ def test_memory_snapshot_refused_up_front_without_the_cuda_memory_history(monkey
     plan = resolve(TrainConfig(model="mlp", memory_snapshot="snap.pickle"), 1, device_type="cuda")
     with pytest.raises(UsageError, match="no torch.cuda.memory._record_memory_history"):
         check_machine(plan)
+
+
+def test_hf_weights_are_read_by_slices_through_each_reader_this_torch_has(tmp_path):
+    """safetensors' get_slice always; DCP's HuggingFaceStorageReader where it reads slices. Two
+    FSDP2 ranks (uneven shards of 5 rows), bf16 files into fp32 parameters, a tied head."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    folder = tmp_path / "weights"
+    folder.mkdir()
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "embed.weight": torch.randn(7, 4, generator=g),
+        "proj.weight": torch.randn(5, 4, generator=g),
+        "proj.bias": torch.randn(5, generator=g),
+        "back.weight": torch.randn(4, 5, generator=g),
+    }
+    tensors = {k: v.bfloat16() for k, v in tensors.items()}
+    safetensors_torch.save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    script = Path(__file__).parent / "scripts" / "hf_load_branches.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(script), str(folder), str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    branches = ["slices"] + (["dcp"] if torch_compat.hf_storage_reader() is not None else [])
+    for branch in branches:
+        for rank in (0, 1):
+            report = json.loads((tmp_path / f"{branch}.rank{rank}.json").read_text())
+            assert set(report) == {"embed.weight", "proj.weight", "proj.bias", "back.weight",
+                                   "tied"}, report  # fmt: skip
+            assert all(report.values()), (branch, rank, report)
+
+
+def test_hf_storage_reader_is_used_only_where_it_reads_slices(monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    real = getattr(dcp, "HuggingFaceStorageReader", None)
+    chosen = torch_compat.hf_storage_reader()
+    assert chosen is (real if hasattr(real, "_process_read_request") else None)
+
+    class WholeFiles:  # as 2.8's: no per-request slice reads
+        pass
+
+    monkeypatch.setattr(dcp, "HuggingFaceStorageReader", WholeFiles, raising=False)
+    assert torch_compat.hf_storage_reader() is None

@@ -46,8 +46,9 @@ class TrainConfig:
     # model
     model: str = _opt(
         "cnn",
-        "cnn, mlp, mlp2, cifar-cnn, gpt, or your own: pkg.module:NAME or path/file.py:NAME "
-        "(a factory returning an nn.Module, or a ModelSpec)",
+        "cnn, mlp, mlp2, cifar-cnn, gpt, hf:PATH (a pretrained Hugging Face folder, or a hub id "
+        "in the local cache), or your own: pkg.module:NAME or path/file.py:NAME (a factory "
+        "returning an nn.Module, or a ModelSpec)",
     )
     model_args: str = _opt("", "your model's factory keywords: 'k=v,...' (values read as JSON)")
     input_shape: str | None = _opt(
@@ -72,11 +73,17 @@ class TrainConfig:
     dataset: str = _opt(
         "auto",
         "auto (mnist, else fashion-mnist, else synthetic) | mnist | fashion-mnist | cifar10 | "
-        "synthetic | text | your own: pkg.module:NAME or file.py:NAME returning (train, test)",
+        "synthetic | text | tokens:DIR (a token file from `fsdp2lab data prepare`) | your own: "
+        "pkg.module:NAME or file.py:NAME returning (train, test)",
     )
     data_dir: str = _opt("./data", "where datasets are stored or downloaded")
     download: bool = _opt(True, "download a missing dataset (rank 0 only)")
     text_file: str | None = _opt(None, "dataset text: train the gpt on the bytes of this file")
+    tokenizer: str | None = _opt(
+        None,
+        "dataset tokens:DIR: the tokenizer folder you train with; refused if DIR was made with "
+        "another (their files' hashes differ)",
+    )
     synthetic_size: int = _opt(8192, "synthetic: number of training samples (test set is 1/4)")
     num_workers: int = _opt(0, "data loader worker processes per rank")
     # batch and schedule
@@ -87,7 +94,11 @@ class TrainConfig:
     test_batch_size: int = _opt(1000, "per-rank evaluation batch")
     grad_accum_steps: int = _opt(1, "micro-batches per optimizer step; sync only on the last")
     epochs: int = _opt(2, "training epochs")
-    max_steps: int | None = _opt(None, "stop after this many optimizer steps (overrides --epochs)")
+    max_steps: int | None = _opt(
+        None,
+        "stop after this many optimizer steps (overrides --epochs; 0: build and load the model, "
+        "save what is asked, exit)",
+    )
     eval_every_steps: int | None = _opt(
         None, "also evaluate on the test set every N optimizer steps (always: after each epoch)"
     )
@@ -398,12 +409,12 @@ _BOUNDS: dict[str, tuple[float | None, float | None, bool]] = {
         for name in (
             "n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "synthetic_size",
             "global_batch_size", "batch_size", "test_batch_size", "grad_accum_steps", "epochs",
-            "max_steps", "dp_replicate", "tp", "pp", "pp_microbatches", "fsdp1_min_params",
+            "dp_replicate", "tp", "pp", "pp_microbatches", "fsdp1_min_params",
             "fsdp_unit_min_params", "ckpt_every_steps", "nproc_per_node", "num_classes",
             "log_every_steps", "eval_every_steps", "profile_steps",
         )
     },
-    **{name: (0, None, True) for name in ("lr", "weight_decay", "warmup_steps", "num_workers", "seed", "prefetch", "keep_last")},
+    **{name: (0, None, True) for name in ("lr", "weight_decay", "warmup_steps", "num_workers", "seed", "prefetch", "keep_last", "max_steps")},
     "collective_timeout": (0, None, False),
     "gamma": (0, None, False),
     "max_grad_norm": (0, None, False),

@@ -13,6 +13,7 @@ the trainer, the strategies and ``bench`` read it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from fsdp2lab.config import TrainConfig
+from fsdp2lab.data import tokens
 from fsdp2lab.errors import UsageError
 from fsdp2lab.models import get_spec
 from fsdp2lab.models.materialize import build_on_meta
@@ -79,13 +81,19 @@ def resolve(cfg: TrainConfig, world_size: int, device_type: str | None = None) -
         )
     dims = ParallelDims.resolve(world_size, cfg.dp_replicate, cfg.dp_shard, cfg.tp, cfg.pp)
     spec = get_spec(cfg.model, cfg)
-    cfg = cfg.with_recipe(spec.recipes.get(_dataset(cfg, spec), {}))
+    cfg = dataclasses.replace(cfg, **spec.fixed).with_recipe(
+        spec.recipes.get(_dataset(cfg, spec), {})
+    )
     global_batch, micro_batch = batch_sizes(cfg, dims.dp)
 
-    if cfg.dataset != "auto" and not is_reference(cfg.dataset) and cfg.dataset not in spec.datasets:
+    dataset = _dataset(cfg, spec)
+    if cfg.dataset != "auto" and not is_reference(cfg.dataset) and dataset not in spec.datasets:
         raise UsageError(
-            f"dataset {cfg.dataset!r} does not fit model {spec.name!r}; it takes: {', '.join(spec.datasets)}"
+            f"dataset {dataset!r} does not fit model {spec.name!r}; it takes: {', '.join(spec.datasets)}"
         )
+    if dataset == "tokens":  # its header against the model and --tokenizer
+        tokens.check(cfg.dataset.removeprefix(tokens.PREFIX), cfg.vocab_size, cfg.seq_len,
+                     cfg.tokenizer)  # fmt: skip
     model = build_on_meta(
         lambda: spec.build(cfg), spec.real_buffers
     )  # the model's own checks, at no memory cost
@@ -158,14 +166,17 @@ def resolve_here(cfg: TrainConfig, world_size: int) -> RunPlan:
 
 
 def _dataset(cfg: TrainConfig, spec: ModelSpec) -> str:
-    """The dataset the run asks for (``auto``: the model's first choice)."""
+    """The dataset the run asks for (``auto``: the model's first choice; ``tokens:DIR``:
+    ``tokens``)."""
+    if tokens.is_tokens(cfg.dataset):
+        return "tokens"
     return spec.default_dataset if cfg.dataset == "auto" else cfg.dataset
 
 
 def sample_input(spec: ModelSpec, cfg: TrainConfig, batch: int = 2) -> torch.Tensor:
     """A meta batch shaped as the dataset ``cfg`` asks for (``auto``: the model's default)."""
     dataset = _dataset(cfg, spec)
-    if dataset == "text" or (dataset == "synthetic" and spec.task == "lm"):
+    if dataset in ("text", "tokens") or (dataset == "synthetic" and spec.task == "lm"):
         return torch.zeros(batch, cfg.seq_len, dtype=torch.long, device="meta")
     shape = {"cifar10": (3, 32, 32), "synthetic": spec.input_shape}.get(dataset, (1, 28, 28))
     return torch.zeros(batch, *shape, device="meta")

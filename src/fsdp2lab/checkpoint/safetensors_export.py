@@ -13,7 +13,8 @@ Two layouts:
   ``model-0000K-of-0000N.safetensors`` shards and ``model.safetensors.index.json`` above
   ``max_shard_size``; with a Hugging Face config (given, or the one a Hugging Face model's run
   recorded in the checkpoint) also ``config.json``, and tied weights stored
-  once (``from_pretrained`` ties them again). That needs ``transformers`` (the ``hf`` extra):
+  once (``from_pretrained`` ties them again); for a pretrained model's run (``--model hf:PATH``)
+  also the tokenizer's files and ``generation_config.json`` beside the weights. That needs ``transformers`` (the ``hf`` extra):
   it builds the model on the meta device to learn which weights are tied and checks the names.
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -34,11 +36,15 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from fsdp2lab.checkpoint import layout
 from fsdp2lab.checkpoint.export import _one_process
 from fsdp2lab.checkpoint.state import MODEL, saved_run
+from fsdp2lab.data.tokens import TOKENIZER_FILES
 from fsdp2lab.errors import UsageError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
+GENERATION_FILE = "generation_config.json"
+# Tokenizer files that decide no token ids (so not in a token file's hash), copied too.
+TOKENIZER_EXTRAS = ("added_tokens.json", "chat_template.jinja")
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # save_pretrained's "5GB"
 HF_HINT = 'pip install -e ".[hf]"'
 _SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
@@ -357,4 +363,24 @@ def export_safetensors(
         layout._write_atomic(out / CONFIG_FILE, config.to_json_string())
         files.append(out / CONFIG_FILE)
     _remove_stale(out, {p.name for p in files})
-    return Exported(ckpt, files, len(kept), total, tied)
+    copied = copy_companions(saved_run(ckpt), out) if config is not None else []
+    return Exported(ckpt, files + copied, len(kept), total, tied)
+
+
+def copy_companions(run: dict, out: Path) -> list[Path]:
+    """Beside the weights, what ``from_pretrained`` and generation read from a model folder:
+    the tokenizer's files (of the run's ``--tokenizer``, else of its pretrained folder) and the
+    pretrained folder's ``generation_config.json``. A folder no longer there is skipped."""
+    source = run.get("hf_source")
+    tokenizer = (run.get("config") or {}).get("tokenizer") or source
+    wanted = [
+        (source, GENERATION_FILE),
+        *((tokenizer, n) for n in TOKENIZER_FILES + TOKENIZER_EXTRAS),
+    ]
+    copied = []
+    for folder, name in wanted:
+        file = Path(folder) / name if folder else None
+        if file is not None and file.is_file():
+            shutil.copyfile(file, out / name)
+            copied.append(out / name)
+    return copied

@@ -10,7 +10,7 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from fsdp2lab.config import TrainConfig
-from fsdp2lab.data import sources, synthetic, text, user
+from fsdp2lab.data import sources, synthetic, text, tokens, user
 from fsdp2lab.data.arrays import ArrayDataset, collate_batch
 from fsdp2lab.data.sampler import DistributedBatchSampler
 from fsdp2lab.errors import UsageError
@@ -33,6 +33,9 @@ def choose(cfg: TrainConfig, spec: ModelSpec) -> DataChoice:
     """Decide which dataset to use, downloading if needed. Run on one rank only."""
     if is_reference(cfg.dataset):
         return DataChoice(cfg.dataset, None, f"{cfg.dataset} (your dataset)")
+    if tokens.is_tokens(cfg.dataset):
+        folder = cfg.dataset.removeprefix(tokens.PREFIX)
+        return DataChoice("tokens", folder, f"token windows of {folder} (memory-mapped)")
     name = spec.default_dataset if cfg.dataset == "auto" else cfg.dataset
     if cfg.dataset == "auto" and spec.task == "lm":
         name = "text" if cfg.text_file else "synthetic"
@@ -90,6 +93,8 @@ def load(
         return synthetic.images(
             spec.input_shape, cfg.synthetic_size, n_test, cfg.seed, classes=spec.num_classes or 10
         )
+    if choice.name == "tokens":
+        return tokens.load(choice.folder, cfg.seq_len)
     if choice.name == "text":
         if cfg.vocab_size < 256:
             raise UsageError(
@@ -99,6 +104,12 @@ def load(
     from pathlib import Path
 
     return sources.load(choice.name, Path(choice.folder))
+
+
+def sampler_order(dataset) -> dict:
+    """The dataset's own epoch order where it has one (token files: a bijection per index)."""
+    order = getattr(dataset, "order", None)
+    return {"order": order} if order is not None else {}
 
 
 def train_loader(

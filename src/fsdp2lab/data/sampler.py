@@ -1,6 +1,7 @@
 """World-size-independent distributed sampling.
 
-Each epoch has one global order, a permutation seeded by (seed, epoch). Optimizer step ``s`` takes
+Each epoch has one global order, a permutation seeded by (seed, epoch) (or the dataset's own
+order, e.g. a bijection computed per index for a corpus too large to permute). Optimizer step ``s`` takes
 the global batch ``order[s*G : (s+1)*G]``; gradient accumulation cuts it into K micro-batches, and
 data-parallel rank ``r`` takes its contiguous slice of each. So every sample is seen once per epoch,
 the ranks' shares are disjoint, and a position counted in global samples means the same thing at any
@@ -8,6 +9,9 @@ world size: the basis of exact resume on another number of ranks.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils.data import Sampler
@@ -33,6 +37,7 @@ class DistributedBatchSampler(Sampler[list[int]]):
         dp_size: int,
         dp_rank: int,
         seed: int,
+        order: Callable[[int, int, int], Any] = epoch_order,
     ):
         self.num_samples = num_samples
         self.global_batch = global_batch
@@ -40,6 +45,7 @@ class DistributedBatchSampler(Sampler[list[int]]):
         self.per_rank = self.micro_global // dp_size
         self.dp_rank = dp_rank
         self.seed = seed
+        self.order = order  # (samples, seed, epoch) -> the epoch's order, sliceable
         self.steps_per_epoch = num_samples // global_batch
         self.grad_accum = grad_accum
         if self.steps_per_epoch == 0:
@@ -60,7 +66,7 @@ class DistributedBatchSampler(Sampler[list[int]]):
         self.epoch, self.start_sample = epoch, start_sample
 
     def __iter__(self):
-        order = epoch_order(self.num_samples, self.seed, self.epoch)
+        order = self.order(self.num_samples, self.seed, self.epoch)
         first = self.start_sample // self.micro_global
         for micro in range(first, self.steps_per_epoch * self.grad_accum):
             base = micro * self.micro_global + self.dp_rank * self.per_rank

@@ -8,7 +8,7 @@ here: ``--model file.py:NAME`` (:mod:`fsdp2lab.models.user`).
 from __future__ import annotations
 
 from fsdp2lab.errors import UsageError
-from fsdp2lab.models import cifar_cnn, gpt, mlp, mnist_cnn
+from fsdp2lab.models import cifar_cnn, gpt, hf, mlp, mnist_cnn
 from fsdp2lab.models.spec import ModelSpec
 from fsdp2lab.models.user import is_reference, load_spec
 
@@ -19,7 +19,10 @@ MODELS: dict[str, ModelSpec] = {
 
 
 def get_spec(name: str, cfg=None) -> ModelSpec:
-    """A built-in model's spec, or your model's (``module:NAME`` / ``file.py:NAME``; needs ``cfg``)."""
+    """A built-in model's spec, a pretrained one's (``hf:PATH``), or your model's
+    (``module:NAME`` / ``file.py:NAME``; needs ``cfg``)."""
+    if hf.is_hf(name):
+        return hf.spec(name, cfg)
     if is_reference(name):
         return load_spec(name, cfg)
     if name not in MODELS:

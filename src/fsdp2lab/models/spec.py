@@ -84,6 +84,12 @@ class ModelSpec:
     # Per dataset, the training config values measured best for it (``--recipe tuned``): they fill
     # the flags the user leaves unset (TrainConfig.with_recipe).
     recipes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # Config values the model fixes (a pretrained model's vocab_size): they replace the flags'.
+    fixed: Mapping[str, Any] = field(default_factory=dict)
+    # (model parallelised and materialised, unparallelised meta model) -> weights read into the
+    # model instead of the seeded init (a pretrained model's files); None: the seeded init.
+    load_weights: Callable[[nn.Module, nn.Module], None] | None = None
+    source: str | None = None  # the folder a pretrained model was read from
 
 
 def logits_of(output: Any) -> torch.Tensor:

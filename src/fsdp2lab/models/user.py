@@ -23,12 +23,16 @@ import torch.nn as nn
 from fsdp2lab.errors import UsageError
 from fsdp2lab.models.spec import ModelSpec, infer_units
 
-ALL_DATASETS = ("mnist", "fashion-mnist", "cifar10", "synthetic", "text")
+ALL_DATASETS = ("mnist", "fashion-mnist", "cifar10", "synthetic", "text", "tokens")
+
+
+# Prefixes of pretrained models and token files: they win over the ``module:attr`` form.
+PREFIXES = ("hf:", "tokens:")
 
 
 def is_reference(name: str) -> bool:
     """``module:attr`` or ``file.py:attr`` (a built-in model name has no colon)."""
-    return ":" in name
+    return ":" in name and not name.startswith(PREFIXES)
 
 
 def load_object(reference: str, what: str):

@@ -172,12 +172,21 @@ def build_model(plan: RunPlan, mesh: DeviceMesh, device: torch.device) -> nn.Mod
     init_device = "cpu" if plan.cfg.cpu_offload else device
     if plan.strategy.materialize_first:
         to_empty(model, init_device)
-        init_weights(model, reference, plan.cfg.seed)
+        _initialise(model, plan)
         return plan.strategy.parallelize(model, plan, mesh, device)
     model = plan.strategy.parallelize(model, plan, mesh, device)
     to_empty(model, init_device)
-    init_weights(model, reference, plan.cfg.seed)
+    _initialise(model, plan)
     return model
+
+
+def _initialise(model: nn.Module, plan: RunPlan) -> None:
+    """The model's pretrained weights where it has them (each rank reads its own part), else the
+    seeded init."""
+    if plan.spec.load_weights is not None:
+        plan.spec.load_weights(model, plan.meta_model)
+    else:
+        init_weights(model, plan.meta_model, plan.cfg.seed)
 
 
 def get_strategy(name: str) -> Strategy:

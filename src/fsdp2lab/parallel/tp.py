@@ -28,6 +28,7 @@ def check(spec: ModelSpec, model: nn.Module, tp: int) -> None:
         raise UsageError(
             f"--tp: model {spec.name!r} has no tensor-parallel plan (ModelSpec.tp_plan)"
         )
+    spec.tp_plan(model)  # a plan the model cannot take is refused here, before any worker
     bad = {k: v for k, v in spec.tp_sizes(model).items() if v % tp}
     if bad:
         sizes = ", ".join(f"{k} {v}" for k, v in bad.items())

@@ -42,9 +42,14 @@ listing the process groups                -        private ``distributed_c10d._w
 CUDA memory snapshot                      <=2.6    private ``torch.cuda.memory._record_memory_history``
                                                    / ``_dump_snapshot`` (``cuda_memory_history``)
 Adam/AdamW fused=True on CPU              <=2.6    (on FSDP2's DTensor shards: tested from 2.8)
+a DTensor's part: shape and offset        <=2.6    private ``compute_local_shape_and_global_offset``
+                                                   (``local_shape_and_offset``)
 a DTensor's local tensor itself           <=2.6    private ``_local_tensor`` (``local_tensor``):
                                                    ``to_local()`` is differentiable, and from
                                                    2.15 gives a parameter a fresh view
+DCP HuggingFaceStorageReader, by slices   2.9      2.8's reads every whole file on every rank:
+                                                   safetensors' ``get_slice`` instead
+                                                   (``hf_storage_reader``)
 torchdata StatefulDataLoader              0.8      its first release; 0.11 (tested) needs torch>=2
 ========================================  =======  ==============================================
 """
@@ -106,6 +111,37 @@ def set_unshard_async_op(module: FSDPModule, enabled: bool) -> bool:
 def local_tensor(dtensor: Any) -> torch.Tensor:
     """The tensor a DTensor holds on this rank: the same object at every call, no autograd."""
     return dtensor._local_tensor
+
+
+def local_shape_and_offset(dtensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shape of this rank's part of a DTensor and where it starts in the full tensor
+    (uneven shards, several mesh dimensions): private ``compute_local_shape_and_global_offset``
+    (the function DCP plans its reads with)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(
+        dtensor.shape, dtensor.device_mesh, dtensor.placements
+    )
+    return tuple(shape), tuple(offset)
+
+
+# -------------------------------------------------------------------------- DCP readers
+def hf_storage_reader() -> type | None:
+    """DCP's ``HuggingFaceStorageReader`` where it reads each rank's slices of a safetensors file
+    (``get_slice`` per read request: ``_process_read_request``, 2.9+); None where it is missing
+    or reads whole files on every rank (2.8): then the caller reads the slices itself."""
+    try:
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
+    except ImportError:
+        return None
+    if not hasattr(HuggingFaceStorageReader, "_process_read_request"):
+        notice(
+            "hf_storage_reader",
+            "fsdp2lab: this torch's HuggingFaceStorageReader reads whole files on every rank: "
+            "the weights are read with safetensors' get_slice instead",
+        )
+        return None
+    return HuggingFaceStorageReader
 
 
 # ---------------------------------------------------------------------- process groups

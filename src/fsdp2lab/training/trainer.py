@@ -61,6 +61,7 @@ class Trainer:
             self.plan.dims.dp,
             self.dp_rank,
             cfg.seed,
+            **data_loader.sampler_order(self.train_set),
         )
         self.loader = data_loader.train_loader(self.train_set, self.sampler, cfg, self.device)
         self.total_steps = self._total_steps()
@@ -103,7 +104,7 @@ class Trainer:
     # ------------------------------------------------------------------ setup helpers
     def _total_steps(self) -> int:
         steps = self.sampler.steps_per_epoch * self.cfg.epochs
-        return min(steps, self.cfg.max_steps) if self.cfg.max_steps else steps
+        return min(steps, self.cfg.max_steps) if self.cfg.max_steps is not None else steps
 
     def describe(self) -> str:
         mesh = " x ".join(

@@ -1,0 +1,198 @@
+"""A pretrained Hugging Face model: ``--model hf:PATH``.
+
+``PATH`` is a folder as ``save_pretrained`` writes it (``config.json``, and one or several
+``*.safetensors`` with their index), or a hub id already in the local Hugging Face cache (found
+offline: nothing is downloaded). The model is built on the meta device from its config
+(:func:`build_from_config`, usable without any weights), parallelised as any other model, then
+its weights are read straight into the sharded parameters (:mod:`fsdp2lab.models.hf_weights`).
+A folder without safetensors files is trained from scratch with the seeded init.
+
+Dense causal language models whose checkpoint keys map one to one onto their modules (Llama,
+Mistral, Qwen2/3, Gemma and the like) are supported; a model that needs remote code or
+transformers' key conversion (fused MoE experts) is refused with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from fsdp2lab.errors import UsageError
+from fsdp2lab.models.spec import ModelSpec, infer_units
+
+PREFIX = "hf:"
+
+
+def is_hf(name: str) -> bool:
+    return name.startswith(PREFIX)
+
+
+def locate(reference: str) -> Path:
+    """The local folder of ``hf:PATH``: PATH itself, or a hub id's snapshot in the local cache."""
+    where = reference.removeprefix(PREFIX)
+    path = Path(where).expanduser()
+    if not path.is_dir() and where.count("/") == 1 and not where.startswith((".", "/")):
+        path = _cached_snapshot(where) or path
+    if not path.is_dir():
+        raise UsageError(
+            f"--model hf:{where}: no such folder, nor a hub model in the local Hugging Face "
+            "cache (download it first: `hf download ID` on a machine with internet)"
+        )
+    if not (path / "config.json").is_file():
+        raise UsageError(
+            f"--model hf:{where}: {path} has no config.json (expected a folder as "
+            "save_pretrained writes it)"
+        )
+    return path.resolve()
+
+
+def _cached_snapshot(repo_id: str) -> Path | None:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # not in the cache (or no huggingface_hub): not a hub model here
+        return None
+
+
+def read_config(folder: Path):
+    """The model's transformers config, read offline; remote code and unknown types refused."""
+    raw = json.loads((folder / "config.json").read_text())
+    if raw.get("auto_map"):
+        raise UsageError(
+            f"--model hf:{folder}: the model needs remote code (auto_map in config.json), "
+            "which fsdp2lab does not run"
+        )
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (ValueError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(
+            f"--model hf:{folder}: model type {raw.get('model_type')!r} is not known to "
+            f"transformers here ({first})"
+        ) from None
+
+
+def build_from_config(config, attn_implementation: str | None = None) -> nn.Module:
+    """The causal LM of ``config`` in fp32 (call it under ``torch.device("meta")``, or through
+    :func:`~fsdp2lab.models.materialize.build_on_meta`, to build it without memory)."""
+    from transformers import AutoModelForCausalLM
+
+    attn = attn_implementation or getattr(config, "_attn_implementation", None) or "sdpa"
+    try:
+        return AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation=attn
+        )
+    except ValueError as e:
+        first = str(e).strip().splitlines()[0]
+        raise UsageError(
+            f"--model hf: {type(config).__name__} has no causal language model in "
+            f"transformers: {first}"
+        ) from None
+
+
+def spec(reference: str, cfg) -> ModelSpec:
+    """The spec of ``hf:PATH``: built from its config, sharded per decoder layer, and (where the
+    folder holds weights) loaded from its safetensors files instead of initialised."""
+    from fsdp2lab.models import hf_weights
+
+    folder = locate(reference)
+    config = read_config(folder)
+    index = hf_weights.WeightIndex.read(folder)
+    limit = getattr(config, "max_position_embeddings", None)
+
+    def build(c) -> nn.Module:
+        if limit is not None and c.seq_len > limit:
+            raise UsageError(
+                f"--seq-len {c.seq_len} is above the model's max_position_embeddings {limit}"
+            )
+        model = build_from_config(config)
+        if index is not None:
+            index.check(model, reference)
+        return model
+
+    return ModelSpec(
+        name=reference,
+        build=build,
+        task="lm",
+        input_shape=None,
+        datasets=("synthetic", "text", "tokens"),
+        default_dataset="synthetic",
+        units=infer_units,
+        tp_plan=tp_plan if getattr(config, "base_model_tp_plan", None) else None,
+        tp_sizes=tp_sizes,
+        real_buffers=True,
+        fixed={"vocab_size": config.vocab_size},
+        load_weights=None if index is None else index.load,
+        source=str(folder),
+    )
+
+
+# ---------------------------------------------------------------------------- tensor parallelism
+def _styles() -> dict:
+    """transformers' TP style names -> torch's ParallelStyle (the styles dense models use)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        "colwise": ColwiseParallel,
+        "rowwise": RowwiseParallel,
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+    }
+
+
+def hf_tp_plan(model: nn.Module) -> dict[str, str]:
+    """The model's own TP plan (transformers: the config's ``base_model_tp_plan`` under the base
+    model's prefix, and the head's), its ``*`` expanded to the modules' names."""
+    plan = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None) or {}
+    names = [name for name, _ in model.named_modules() if name]
+    expanded: dict[str, str] = {}
+    for pattern, style in plan.items():
+        regex = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+") + "$")
+        expanded.update({name: style for name in names if regex.match(name)})
+    return expanded
+
+
+def tp_plan(model: nn.Module) -> dict:
+    """``{module name: ParallelStyle}`` from the model's own plan; a style not mapped here, or
+    tied embeddings the plan would shard as two modules, is a UsageError naming it."""
+    plan = hf_tp_plan(model)
+    styles = _styles()
+    unmapped = sorted({s for s in plan.values() if s not in styles})
+    if not plan:
+        raise UsageError(f"--tp: {type(model).__name__} has no tensor-parallel plan")
+    if unmapped:
+        first = next(name for name, s in plan.items() if s == unmapped[0])
+        raise UsageError(
+            f"--tp: {type(model).__name__}'s TP plan uses style {unmapped[0]!r} (e.g. {first}), "
+            f"which fsdp2lab does not map (it maps: {', '.join(styles)})"
+        )
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is not None and head.weight is embedding.weight:
+        sharded = [n for n, m in model.named_modules() if m in (head, embedding) and n in plan]
+        if sharded:
+            raise UsageError(
+                f"--tp: {type(model).__name__} ties its output head to its embedding, which its "
+                f"TP plan shards as separate modules ({', '.join(sharded)}); use a model with "
+                "tie_word_embeddings false, or no --tp"
+            )
+    return {name: styles[style]() for name, style in plan.items()}
+
+
+def tp_sizes(model: nn.Module) -> dict[str, int]:
+    """What ``--tp`` splits: attention and key/value heads, the MLP width, the vocabulary."""
+    config = model.config
+    sizes = {
+        "num_attention_heads": getattr(config, "num_attention_heads", None),
+        "num_key_value_heads": getattr(config, "num_key_value_heads", None),
+        "intermediate_size": getattr(config, "intermediate_size", None),
+        "vocab_size": getattr(config, "vocab_size", None),
+    }
+    return {k: v for k, v in sizes.items() if isinstance(v, int)}
