@@ -164,8 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
+        from fsdp2lab.runtime.distributed import exit_process
+
         worker(args.folder, args.worker, args.reader)
-        return 0
+        exit_process(0)  # a rank: no interpreter teardown beside gloo's threads
     if args.make_llama:
         make_llama(args.folder, args.hidden, args.layers, args.intermediate, args.vocab)
     if args.drop_caches:

@@ -146,7 +146,7 @@ def fsdp_main(rank, world_size, args, port):
     policy = functools.partial(size_based_auto_wrap_policy, min_num_params=100)
     if cuda:
         torch.cuda.set_device(rank)
-    model = FSDP(Net().to(device), auto_wrap_policy=policy, device_id=device if cuda else None)
+    model = FSDP(Net().to(device), auto_wrap_policy=policy, device_id=device)
     optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)
 

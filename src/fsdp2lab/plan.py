@@ -91,9 +91,6 @@ def resolve(cfg: TrainConfig, world_size: int, device_type: str | None = None) -
         raise UsageError(
             f"dataset {dataset!r} does not fit model {spec.name!r}; it takes: {', '.join(spec.datasets)}"
         )
-    if dataset == "tokens":  # its header against the model and --tokenizer
-        tokens.check(cfg.dataset.removeprefix(tokens.PREFIX), cfg.vocab_size, cfg.seq_len,
-                     cfg.tokenizer)  # fmt: skip
     model = build_on_meta(
         lambda: spec.build(cfg), spec.real_buffers
     )  # the model's own checks, at no memory cost
@@ -138,6 +135,9 @@ def resolve(cfg: TrainConfig, world_size: int, device_type: str | None = None) -
 def check_machine(plan: RunPlan) -> None:
     """What this machine must provide for ``plan``: UsageError names the first thing missing."""
     cfg = plan.cfg
+    if _dataset(cfg, plan.spec) == "tokens":  # its header against the model and --tokenizer
+        tokens.check(cfg.dataset.removeprefix(tokens.PREFIX), cfg.vocab_size, cfg.seq_len,
+                     cfg.tokenizer)  # fmt: skip
     if cfg.compile:
         reason = check_compile_support(plan.device_type)
         if reason:

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp2lab.models.hf_weights import WeightIndex
 from fsdp2lab.models.materialize import to_empty
+from fsdp2lab.runtime import distributed
 from fsdp2lab.runtime.torch_compat import hf_storage_reader
 
 
@@ -65,6 +66,7 @@ def main() -> None:
         report["tied"] = model.head.weight is model.embed.weight
         (out / f"{branch}.rank{dist.get_rank()}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
+    distributed.exit_process(0)
 
 
 if __name__ == "__main__":
