@@ -202,3 +202,46 @@ def test_the_nan_guard_finds_every_non_finite_value_anywhere(dtype):
             bad[place] = value
             assert float(_nonfinite([*finite, bad], cpu)) == 1.0, (value, place)
         assert float(_nonfinite([torch.tensor(value, dtype=dtype)], cpu)) == 1.0
+
+
+def test_the_loss_rides_on_the_gradient_norms_all_reduce_under_plain_fsdp(one_rank, monkeypatch):
+    """Plain FSDP: a non-finite loss makes the (all-reduced) norm NaN, a finite one leaves its
+    bits alone; the NaN guard then decides from the norm, with no collective of its own."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp2lab.parallel.fsdp2 import apply_fsdp
+    from fsdp2lab.parallel.grad_norm import total_grad_norm
+    from fsdp2lab.training.nan_guard import NanGuard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    apply_fsdp(model, init_device_mesh("cpu", (1,)), list(model))
+    model(torch.randn(3, 4)).sum().backward()
+    params = list(model.parameters())
+    plain, folded = total_grad_norm(params)
+    assert not folded
+    for loss in (torch.tensor(2.5), torch.tensor(-0.0)):
+        norm, folded = total_grad_norm(params, flag=loss)
+        assert folded and torch.equal(norm, plain)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        norm, folded = total_grad_norm(params, flag=torch.tensor(bad))
+        assert folded and torch.isnan(norm)
+
+    def no_collective(*args, **kwargs):
+        raise AssertionError("the guard ran a collective of its own")
+
+    monkeypatch.setattr(dist, "all_reduce", no_collective)
+    guard = NanGuard(one_rank, "skip")
+    trainer = SimpleNamespace(device=torch.device("cpu"), scaler=None, model=model,
+                              step_norm_checks=True, last_grad_norm=plain,
+                              state=SimpleNamespace(step=0))  # fmt: skip
+    assert guard.before_optimizer_step(trainer, torch.tensor(1.0)) is False  # finite: update
+    # The verdict is the norm's: a NaN norm skips even where this rank's loss and gradients are
+    # finite (another rank's loss rode on it), and is ignored where the norm carries no loss.
+    trainer.last_grad_norm = torch.tensor(float("nan"))
+    assert guard.before_optimizer_step(trainer, torch.tensor(1.0)) is True
+    trainer.step_norm_checks = False
+    assert guard.before_optimizer_step(trainer, torch.tensor(1.0)) is False

@@ -93,8 +93,8 @@ def run_info(trainer: Checkpointable) -> dict:
     hf_config = hf_config_of(trainer.plan.meta_model)  # unwrapped, the whole model (also --pp)
     if hf_config is not None:
         info["hf_config"] = hf_config
-    if trainer.spec.source:  # a pretrained model's folder: export copies its tokenizer files
-        info["hf_source"] = trainer.spec.source
+    if trainer.plan.spec.source:  # a pretrained model's folder: export copies its tokenizer files
+        info["hf_source"] = trainer.plan.spec.source
     return info
 
 

@@ -125,6 +125,9 @@ def sync_context(model: nn.Module, sync: bool) -> contextlib.AbstractContextMana
     return contextlib.nullcontext() if sync else model.no_sync()
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor:
-    """The full gradient norm (each rank holds shards of flat gradients); clip if ``max_norm``."""
-    return model.clip_grad_norm_(math.inf if max_norm is None else max_norm)
+def clip_grad_norm(
+    model: nn.Module, max_norm: float | None, flag: torch.Tensor | None = None
+) -> tuple[torch.Tensor, bool]:
+    """The full gradient norm (each rank holds shards of flat gradients); clip if ``max_norm``.
+    ``flag`` does not ride on FSDP1's own reduction."""
+    return model.clip_grad_norm_(math.inf if max_norm is None else max_norm), False

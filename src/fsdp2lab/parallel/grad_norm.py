@@ -15,9 +15,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 
-def _sharded_norm(grads: list[torch.Tensor]) -> torch.Tensor | None:
+def _sharded_norm(grads: list[torch.Tensor], flag: torch.Tensor | None) -> torch.Tensor | None:
     """The norm of gradients on one mesh, from their local shards, where the mesh is 1-D and
-    every gradient is sharded over it; None for any other layout."""
+    every gradient is sharded over it; None for any other layout. A non-finite ``flag`` on any
+    rank makes the norm NaN on every rank (it rides on the same all-reduce)."""
     mesh = grads[0].device_mesh if isinstance(grads[0], DTensor) else None
     if mesh is None or mesh.ndim != 1:
         return None
@@ -25,12 +26,20 @@ def _sharded_norm(grads: list[torch.Tensor]) -> torch.Tensor | None:
         return None
     local = torch.nn.utils.get_total_norm([g.to_local() for g in grads], norm_type=2.0)
     squares = local.float().reshape(1) ** 2
+    if flag is not None:  # + 0 where the flag is finite (the same bits), NaN where it is not
+        squares = squares + 0 * flag.float()
     dist.all_reduce(squares, group=mesh.get_group())
     return squares.sqrt()[0]
 
 
-def total_grad_norm(parameters, pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """The norm of all gradients; with ``pp_group``, over the parameters of every pipeline stage."""
+def total_grad_norm(
+    parameters, pp_group: dist.ProcessGroup | None = None, flag: torch.Tensor | None = None
+) -> tuple[torch.Tensor, bool]:
+    """The norm of all gradients; with ``pp_group``, over the parameters of every pipeline stage.
+
+    With ``flag`` (a value per rank, e.g. its loss), where the norm's own all-reduce spans every
+    rank that holds gradients (one 1-D mesh shards them all: plain FSDP), the flag rides on it: the
+    norm is NaN on every rank if the flag is not finite on one. Returns (norm, whether it did)."""
     parameters = list(parameters)
     device = parameters[0].device if parameters else "cpu"
     # Gradients on different meshes (a TP plan that leaves some layers whole: those are sharded
@@ -41,8 +50,10 @@ def total_grad_norm(parameters, pp_group: dist.ProcessGroup | None = None) -> to
             mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
             by_mesh.setdefault(mesh, []).append(p.grad)
     squares = torch.zeros((), device=device)
+    folded = False
     for grads in by_mesh.values():
-        part = _sharded_norm(grads)
+        part = _sharded_norm(grads, flag if len(by_mesh) == 1 else None)
+        folded = part is not None and flag is not None and len(by_mesh) == 1
         if part is None:
             part = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         if isinstance(part, DTensor):
@@ -54,15 +65,19 @@ def total_grad_norm(parameters, pp_group: dist.ProcessGroup | None = None) -> to
         squared = norm.float() ** 2
         dist.all_reduce(squared, group=pp_group)
         norm = squared.sqrt()
-    return norm
+    return norm, folded
 
 
 def clip_grad_norm_(
-    parameters, max_norm: float | None, pp_group: dist.ProcessGroup | None = None
-) -> torch.Tensor:
-    """Return the full gradient norm; scale the gradients down to ``max_norm`` if it is given."""
+    parameters,
+    max_norm: float | None,
+    pp_group: dist.ProcessGroup | None = None,
+    flag: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, bool]:
+    """The full gradient norm (and whether ``flag`` rode on it: ``total_grad_norm``); scale the
+    gradients down to ``max_norm`` if it is given."""
     parameters = list(parameters)
-    norm = total_grad_norm(parameters, pp_group)
+    norm, folded = total_grad_norm(parameters, pp_group, flag)
     if max_norm is not None:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
-    return norm
+    return norm, folded

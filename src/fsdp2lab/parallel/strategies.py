@@ -39,8 +39,10 @@ class RunPlan(Protocol):
     meta_model: nn.Module
 
 
-def _clip_grad_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor:
-    return clip_grad_norm_(model.parameters(), max_norm, pp_group=pp.stage_group(model))
+def _clip_grad_norm(
+    model: nn.Module, max_norm: float | None, flag: torch.Tensor | None = None
+) -> tuple[torch.Tensor, bool]:
+    return clip_grad_norm_(model.parameters(), max_norm, pp.stage_group(model), flag)
 
 
 def _no_check(cfg) -> None:
@@ -63,7 +65,8 @@ class Strategy:
     # model materialised and initialised before ``parallelize``; the others after it (meta init).
     materialize_first: bool = False
     # The full gradient norm, clipped to ``max_norm`` if given (FSDP1 holds shards of flat grads).
-    clip_grad_norm: Callable[[nn.Module, float | None], torch.Tensor] = _clip_grad_norm
+    # (model, max_norm, flag) -> (the full gradient norm, whether the flag rode on its all-reduce)
+    clip_grad_norm: Callable[..., tuple[torch.Tensor, bool]] = _clip_grad_norm
 
 
 def _fsdp2(model: nn.Module, plan: RunPlan, mesh: DeviceMesh, device: torch.device) -> nn.Module:

@@ -3,7 +3,9 @@
 Between backward and the optimizer step every rank folds its loss and its (local shards of the)
 gradients into one finiteness flag (``torch._foreach_norm`` with ord inf: one fused pass, no
 overflow, NaN propagates), one one-element all-reduce (MAX) makes it global and one host read
-gives the verdict. Only on a bad step a second all-reduce (of two flags) tells the loss from the
+gives the verdict. On a step that computes the gradient norm over one all-reduce of every rank
+(plain FSDP; ``parallel/grad_norm.py``) the loss rides on that all-reduce and the norm is the
+verdict: no collective of the guard's own. Only on a bad step a second all-reduce (of two flags) tells the loss from the
 gradients in the message.
 
 ``stop`` raises ``TrainingFailed`` before the update: no checkpoint of that step or later is saved,
@@ -71,7 +73,10 @@ class NanGuard(Hooks):
     def before_optimizer_step(self, trainer: Trainer, loss: torch.Tensor) -> bool:
         device = trainer.device
         grads = [] if trainer.scaler else [p.grad for p in trainer.model.parameters()]
-        if not _on_any_rank(_nonfinite([loss, *grads], device))[0]:
+        if trainer.step_norm_checks:  # every rank's loss rode on the norm's all-reduce
+            if torch.isfinite(trainer.last_grad_norm).item():
+                return False
+        elif not _on_any_rank(_nonfinite([loss, *grads], device))[0]:
             return False
         # The rare bad step: which was it (one more all-reduce, now that the step is lost anyway)?
         bad = _on_any_rank(torch.stack([_nonfinite([loss], device), _nonfinite(grads, device)]))

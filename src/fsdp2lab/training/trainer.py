@@ -94,6 +94,7 @@ class Trainer:
         self.last_eval: dict = {}
         self.train_time_s = 0.0
         self.last_grad_norm: torch.Tensor | None = None  # read on logged steps only
+        self.step_norm_checks = False  # set by train_step: see there
         self.stop_reason: str | None = None  # set by request_stop: end after this step
         self.fit_started = time.perf_counter()
 
@@ -181,9 +182,13 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         log_step = (self.state.step + 1) % self.cfg.log_every_steps == 0
+        self.step_norm_checks = False  # whether this step's norm also says the loss was finite
         if self.cfg.max_grad_norm is not None or log_step:
-            self.last_grad_norm = self.plan.strategy.clip_grad_norm(
-                self.model, self.cfg.max_grad_norm
+            # The loss rides on the norm's all-reduce (where it has one over every rank), so the
+            # NaN guard needs no collective of its own; not under fp16, whose scaler owns infs.
+            flag = loss_sum if self.scaler is None else None
+            self.last_grad_norm, self.step_norm_checks = self.plan.strategy.clip_grad_norm(
+                self.model, self.cfg.max_grad_norm, flag
             )
         if any([hook.before_optimizer_step(self, loss_sum) for hook in self.hooks]):
             self.optimizer.zero_grad(set_to_none=True)  # the update is dropped
