@@ -35,11 +35,11 @@ GPUS: dict[str, GPU] = {
         # https://www.nvidia.com/en-us/data-center/h100/ (H100 SXM: 80 GB, 1,979 TFLOPS bf16
         # with sparsity = 989 dense, 3.35 TB/s, NVLink 900 GB/s both directions)
         GPU("h100", "NVIDIA H100 SXM 80 GB", 79.6, 989.0, 3.35, 450.0),
-        # The 96 GB HBM2e H100 of torchtitan's benchmarks (benchmarks/llama3_h100_202412_
-        # torchtitan.md); torchtitan's utils.get_peak_flops counts it as an H100 SXM: 989 TFLOPS.
-        # No datasheet gives its memory bandwidth: that of the HBM2e H100 PCIe, 2.0 TB/s
-        # (https://www.nvidia.com/en-us/data-center/h100/), NVLink as the SXM.
-        GPU("h100-96gb", "NVIDIA H100 96 GB HBM2e", 94.5, 989.0, 2.0, 450.0),
+        # The 96 GB HBM2e SXM H100 of torchtitan's benchmarks
+        # (https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md:
+        # "96GB HBM2e with 2.4 TB/sec peak memory bandwidth", NVLink, 500 W); torchtitan's MFU
+        # takes the SXM's 989 TFLOPS for it (its true peak, it says, lies between SXM and NVL).
+        GPU("h100-96gb", "NVIDIA H100 96 GB HBM2e", 94.5, 989.0, 2.4, 450.0),
         # https://www.nvidia.com/en-us/data-center/h200/ (141 GB, 989 TFLOPS bf16 dense,
         # 4.8 TB/s, NVLink 900 GB/s)
         GPU("h200", "NVIDIA H200 SXM 141 GB", 140.4, 989.0, 4.8, 450.0),

@@ -242,9 +242,9 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
     try:
         mesh = build_mesh(plan.dims, "cpu")
         device = torch.device("cpu")
+        # Parallelised on the meta device, as the trainer does; then fake memory for it.
+        model = plan.strategy.parallelize(copy.deepcopy(plan.meta_model), plan, mesh, device)
         with FakeTensorMode(allow_non_fake_inputs=True):
-            model = copy.deepcopy(plan.meta_model)
-            model = plan.strategy.parallelize(model, plan, mesh, device)
             to_empty(model, device)
             optimizer = _unfused(build_optimizer(model.parameters(), plan.cfg))
 
