@@ -79,6 +79,9 @@ def _fsdp2(model: nn.Module, plan: RunPlan, mesh: DeviceMesh, device: torch.devi
         unit_policy=cfg.fsdp_units,
         unit_min_params=cfg.fsdp_unit_min_params,
         gloo_collectives=cfg.gloo_collectives,
+        reduce_every_micro_batch=fsdp2.reduces_every_micro_batch(
+            cfg.grad_accum_reduce, plan.dims.dp_shard
+        ),
     )
 
 
