@@ -56,3 +56,19 @@ def test_plan_shows_what_reducing_every_micro_batch_saves():
         every.comm["dp_shard"]["reduce_scatter"].calls
         == 4 * last.comm["dp_shard"]["reduce_scatter"].calls
     )
+
+
+def test_plan_report_shows_both_modes():
+    from fsdp2lab.scale.estimate import Hardware
+    from fsdp2lab.scale.gpus import get_gpu
+    from fsdp2lab.scale.report import format_report, plan_report
+
+    cfg = TrainConfig(model="gpt", d_model=256, n_layers=4, seq_len=64, vocab_size=512,
+                      batch_size=2, grad_accum_steps=4, optimizer="adamw")  # fmt: skip
+    r = plan_report(cfg, 8, Hardware(get_gpu("h100"), 8, 50.0), alternatives=False)
+    assert r["grad_accum_reduce"] == "every"
+    other = r["grad_accum_other"]
+    assert other["grad_accum_reduce"] == "last"
+    assert other["peak_bytes_per_rank"] > r["peak_bytes_per_rank"]
+    assert other["comm_bytes_per_step"]["dp_shard"] < r["comm_bytes_per_step"]["dp_shard"]
+    assert "--grad-accum-reduce every (above); with last" in format_report(r)

@@ -8,6 +8,7 @@ import dataclasses
 
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.errors import UsageError
+from fsdp2lab.parallel.fsdp2 import reduces_every_micro_batch
 from fsdp2lab.parallel.strategies import label
 from fsdp2lab.plan import RunPlan, resolve
 from fsdp2lab.scale.estimate import (
@@ -102,6 +103,20 @@ def plan_report(cfg: TrainConfig, world_size: int, hw: Hardware, alternatives: b
         "not_modelled": [text for key, text in NOT_MODELLED.items() if getattr(cfg, key)],
         **summarize(plan, hw),
     }
+    if cfg.grad_accum_steps > 1 and plan.dims.dp_shard > 1:
+        # Both ways to accumulate: reduce-scatter every micro-batch, or only on the last.
+        used = (
+            "every"
+            if reduces_every_micro_batch(cfg.grad_accum_reduce, plan.dims.dp_shard)
+            else "last"
+        )
+        other = "last" if used == "every" else "every"
+        alt = summarize(
+            resolve(dataclasses.replace(cfg_used, grad_accum_reduce=other), world_size), hw
+        )
+        alt.pop("roles")
+        report["grad_accum_reduce"] = used
+        report["grad_accum_other"] = {"grad_accum_reduce": other, **alt}
     if not report["fits"] and alternatives:
         report["alternatives"] = []
         for what, variant in variants(cfg_used, plan):
@@ -170,6 +185,17 @@ def format_report(r: dict) -> str:
     lines.append(f"modelled: {r['modelled']}")
     if r["not_modelled"]:
         lines.append("not modelled: " + "; ".join(r["not_modelled"]))
+    if "grad_accum_other" in r:
+        o = r["grad_accum_other"]
+        lines.append(
+            f"gradient accumulation: --grad-accum-reduce {r['grad_accum_reduce']} (above); with "
+            f"{o['grad_accum_reduce']}: peak {_gib(o['peak_bytes_per_rank'])}, "
+            f"step {o['step_s'] * 1e3:,.1f} ms, {o['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
+            + ", ".join(f"{d} {_gib(b)}" for d, b in o["comm_bytes_per_step"].items())
+            + " a step"
+        )
+    if r.get("alternatives"):
+        lines.append("it does not fit; what would:")
     for alt in r.get("alternatives", []):
         if "error" in alt:
             lines.append(f"  instead: {alt['change']}: not possible ({alt['error']})")

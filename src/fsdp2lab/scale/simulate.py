@@ -202,17 +202,22 @@ def _sim_plan(plan: RunPlan, device_type: str) -> RunPlan:
     return dataclasses.replace(plan, cfg=dataclasses.replace(plan.cfg, **changes))
 
 
-def track(plan: RunPlan, model, optimizer, batches, steps: int = 2):
-    """Run ``steps`` tracked optimizer steps; returns (peak bytes, peak by category)."""
+def track(plan: RunPlan, model, optimizer, batches, counters=()) -> tuple[int, dict[str, int]]:
+    """One optimizer step, then a steady one under the memory tracker (and ``counters``:
+    context managers such as FLOP and collective counters); returns (peak bytes, peak by
+    category). The first step creates the optimizer state, which the tracker finds on entry."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
+    train_step(plan, model, optimizer, batches)
     tracker = FSDPMemTracker(model, optimizer)
     x, _ = batches()
     tracker.track_inputs((x,))
-    with tracker:
-        for _ in range(steps):
-            # The tracker's per-module statistics hold one forward each; its peak is kept.
-            train_step(plan, model, optimizer, batches, tracker.reset_mod_stats)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(tracker)
+        for counter in counters:
+            stack.enter_context(counter)
+        # The tracker's per-module statistics hold one forward each; its peak is kept.
+        train_step(plan, model, optimizer, batches, tracker.reset_mod_stats)
     peak = tracker.get_tracker_snapshot("peak")
     snapshot = next(iter(peak.values())) if peak else {}
     by_category = {
@@ -226,8 +231,8 @@ def track(plan: RunPlan, model, optimizer, batches, steps: int = 2):
 def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun:
     """Rank ``rank`` of ``plan``: its memory, state, FLOPs and collectives over a steady step.
 
-    Runs two optimizer steps (the first creates the optimizer state) under the tracker, then a
-    third counting FLOPs and collectives. ``device_type`` is the device the plan is for (its
+    Runs two optimizer steps: the first creates the optimizer state, the second is tracked,
+    its FLOPs and collectives counted. ``device_type`` is the device the plan is for (its
     default sharding units); ``"cpu"`` to compare with a run on CPU ranks.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -251,12 +256,11 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
             def batches():
                 return _batch(plan)
 
-            peak, by_category = track(plan, model, optimizer, batches)
             flops = FlopCounterMode(display=False)
-            counter = CommCounter(_group_dims(mesh))
+            comm = CommCounter(_group_dims(mesh))
             forward = _ForwardFlops(flops)
-            with counter, flops, forward.installed(model):
-                train_step(plan, model, optimizer, batches)
+            counters = (comm, flops, forward.installed(model))
+            peak, by_category = track(plan, model, optimizer, batches, counters)
             state = state_bytes(model, optimizer)
         return RoleRun(
             rank=rank,
@@ -265,7 +269,7 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
             state=state,
             flops=int(flops.get_total_flops()),
             forward_flops=forward.total,
-            comm={d: dict(kinds) for d, kinds in counter.comm.items()},
+            comm={d: dict(kinds) for d, kinds in comm.comm.items()},
         )
     finally:
         dist.destroy_process_group()
