@@ -90,9 +90,11 @@ def test_plan_state_equals_trainer_metrics(tmp_path):
 
 def test_plan_json_at_scale():
     """64 GPUs, HSDP 8 x 8: the --json object's figures, per mesh dimension."""
-    proc = run_cli(["plan", *GPT, "--world-size", "64", "--dp-replicate", "8", "--json"])
+    flags = ["--world-size", "64", "--dp-replicate", "8", "--cpu-offload", "--json"]
+    proc = run_cli(["plan", *GPT, *flags])
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout)
+    assert r["not_modelled"] == ["--cpu-offload (the plan keeps state on the GPU)"]
     for key in ("peak_bytes_per_rank", "state_bytes_per_rank", "comm_bytes_per_step", "step_s",
                 "tokens_per_s_per_gpu", "mfu", "fits"):  # fmt: skip
         assert key in r, key
@@ -132,3 +134,8 @@ def test_plan_bad_input_is_one_line():
     ]
     proc = run_cli(["plan", *GPT, "--world-size", "8", "--gpu", "tpu"])
     assert proc.returncode == 2 and "--gpu 'tpu' is not in the table" in proc.stderr
+    proc = run_cli(["plan", *GPT, "--world-size", "8", "--mixed-precision", "fp16"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "fsdp2lab: error: fsdp2lab plan does not model --mixed-precision fp16 (its loss scaler); use bf16"
+    ]

@@ -39,7 +39,7 @@ def main() -> None:
     model = build_model(plan, mesh, device)
     optimizer = build_optimizer(model.parameters(), plan.cfg)
     torch.manual_seed(rank)
-    peak, by_category, _ = track(plan, model, optimizer, lambda: _batch(plan))
+    peak, by_category = track(plan, model, optimizer, lambda: _batch(plan))
     if rank == 0:
         state = state_bytes(model, optimizer)
         print(json.dumps({"peak_bytes": peak, "by_category": by_category, "state": state}))

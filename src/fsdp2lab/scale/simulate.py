@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 from fsdp2lab.errors import UsageError
 from fsdp2lab.models.materialize import to_empty
@@ -107,16 +108,29 @@ def _tensors(value) -> list[torch.Tensor]:
     return []
 
 
-class CommCounter(TorchDispatchMode):
-    """Counts the c10d collectives dispatched while active, by the mesh dimension of their group."""
+class StepCounter(TorchDispatchMode):
+    """Counts the FLOPs (``torch.utils.flop_counter``'s formulas) and the c10d collectives, by
+    the mesh dimension of their group, dispatched while active.
+
+    A plain dispatch mode: ``FlopCounterMode``'s module hooks, under the memory tracker, make the
+    tracker keep backward's temporaries (+1.8 GiB a layer of Llama 3 70B)."""
 
     def __init__(self, group_dims: dict[str, str]):
         super().__init__()
         self.group_dims = group_dims  # process group name -> mesh dimension name
         self.comm: dict[str, dict[str, Collective]] = defaultdict(lambda: defaultdict(Collective))
+        self.flops = 0
+
+    def get_total_flops(self) -> int:
+        return self.flops
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            out = func(*args, **kwargs)
+            self.flops += formula(*args, **kwargs, out_val=out)
+            return out
         name = func._schema.name
         kind = _COLLECTIVES.get(name.removeprefix("c10d::"))
         if kind is not None:
@@ -202,19 +216,21 @@ def _sim_plan(plan: RunPlan, device_type: str) -> RunPlan:
     return dataclasses.replace(plan, cfg=dataclasses.replace(plan.cfg, **changes))
 
 
-def track(plan: RunPlan, model, optimizer, batches):
-    """Two optimizer steps under the memory tracker (the first creates the optimizer state);
-    returns (peak bytes, peak by category, the tracker). The tracker's wrappers of FSDP2's
-    forward hooks stay after it exits: a later step calls its ``reset_mod_stats`` before each
-    forward."""
+def track(plan: RunPlan, model, optimizer, batches, counters=()):
+    """Two optimizer steps under the memory tracker (the first creates the optimizer state),
+    the second also under ``counters`` (dispatch modes); returns (peak bytes, peak by
+    category)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     tracker = FSDPMemTracker(model, optimizer)
     x, _ = batches()
     tracker.track_inputs((x,))
     with tracker:
-        for _ in range(2):
-            # The tracker's per-module statistics hold one forward each; its peak is kept.
+        # The tracker's per-module statistics hold one forward each; its peak is kept.
+        train_step(plan, model, optimizer, batches, tracker.reset_mod_stats)
+        with contextlib.ExitStack() as stack:
+            for counter in counters:
+                stack.enter_context(counter)
             train_step(plan, model, optimizer, batches, tracker.reset_mod_stats)
     peak = tracker.get_tracker_snapshot("peak")
     snapshot = next(iter(peak.values())) if peak else {}
@@ -223,19 +239,18 @@ def track(plan: RunPlan, model, optimizer, batches):
         for k, v in snapshot.items()
         if str(k) != "Total"
     }
-    return int(snapshot.get("Total", 0)), by_category, tracker
+    return int(snapshot.get("Total", 0)), by_category
 
 
 def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun:
     """Rank ``rank`` of ``plan``: its memory, state, FLOPs and collectives over a steady step.
 
-    Runs one optimizer step that counts FLOPs and collectives, then two under the memory
-    tracker. ``device_type`` is the device the plan is for (its
+    Runs two optimizer steps under the memory tracker (the first creates the optimizer
+    state); the second's FLOPs and collectives are counted. ``device_type`` is the device the plan is for (its
     default sharding units); ``"cpu"`` to compare with a run on CPU ranks.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from torch.utils.flop_counter import FlopCounterMode
 
     check_supported(plan)
     if dist.is_initialized():
@@ -254,24 +269,19 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
             def batches():
                 return _batch(plan)
 
-            # Counted in a step of their own, before the tracker's: under the tracker, the FLOP
-            # counter's module hooks make it keep backward's temporaries (+1.8 GiB a layer of
-            # Llama 3 70B), and after it the tracker's wrappers of FSDP2's hooks remain.
-            flops = FlopCounterMode(display=False)
-            comm = CommCounter(_group_dims(mesh))
-            forward = _ForwardFlops(flops)
-            with comm, flops, forward.installed(model):
-                train_step(plan, model, optimizer, batches)
-            peak, by_category, _ = track(plan, model, optimizer, batches)
+            counter = StepCounter(_group_dims(mesh))
+            forward = _ForwardFlops(counter)
+            counters = (counter, forward.installed(model))
+            peak, by_category = track(plan, model, optimizer, batches, counters)
             state = state_bytes(model, optimizer)
         return RoleRun(
             rank=rank,
             peak_bytes=peak,
             peak_by_category=by_category,
             state=state,
-            flops=int(flops.get_total_flops()),
+            flops=counter.flops,
             forward_flops=forward.total,
-            comm={d: dict(kinds) for d, kinds in comm.comm.items()},
+            comm={d: dict(kinds) for d, kinds in counter.comm.items()},
         )
     finally:
         dist.destroy_process_group()
