@@ -216,22 +216,37 @@ def _sim_plan(plan: RunPlan, device_type: str) -> RunPlan:
     return dataclasses.replace(plan, cfg=dataclasses.replace(plan.cfg, **changes))
 
 
+def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer's state, as its first step creates it, from zero gradients (no forward or
+    backward): the tracked step is then a steady one."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+
+
 def track(plan: RunPlan, model, optimizer, batches, counters=()):
-    """Two optimizer steps under the memory tracker (the first creates the optimizer state),
-    the second also under ``counters`` (dispatch modes); returns (peak bytes, peak by
-    category)."""
+    """A steady optimizer step (the optimizer state made first) under the memory tracker and
+    ``counters`` (dispatch modes); returns (peak bytes, peak by category). The tracker is
+    entered before the first forward: FSDP2 resizes its gathered parameters' storages in
+    place, and one made before the tracker saw it would count as a temporary never freed."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
+    create_optimizer_state(optimizer)
     tracker = FSDPMemTracker(model, optimizer)
     x, _ = batches()
     tracker.track_inputs((x,))
-    with tracker:
+    with tracker, contextlib.ExitStack() as stack:
+        for counter in counters:
+            stack.enter_context(counter)
         # The tracker's per-module statistics hold one forward each; its peak is kept.
         train_step(plan, model, optimizer, batches, tracker.reset_mod_stats)
-        with contextlib.ExitStack() as stack:
-            for counter in counters:
-                stack.enter_context(counter)
-            train_step(plan, model, optimizer, batches, tracker.reset_mod_stats)
     peak = tracker.get_tracker_snapshot("peak")
     snapshot = next(iter(peak.values())) if peak else {}
     by_category = {
@@ -245,8 +260,8 @@ def track(plan: RunPlan, model, optimizer, batches, counters=()):
 def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun:
     """Rank ``rank`` of ``plan``: its memory, state, FLOPs and collectives over a steady step.
 
-    Runs two optimizer steps under the memory tracker (the first creates the optimizer
-    state); the second's FLOPs and collectives are counted. ``device_type`` is the device the plan is for (its
+    Makes the optimizer state from zero gradients, then runs one optimizer step under the
+    memory tracker, counting its FLOPs and collectives. ``device_type`` is the device the plan is for (its
     default sharding units); ``"cpu"`` to compare with a run on CPU ranks.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
