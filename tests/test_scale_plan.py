@@ -48,6 +48,12 @@ def measure(world: int, flags: list[str]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+GLOO_REDUCE_SCATTER = (
+    "plan 1,648,292 against real 1,850,728 bytes (-10.9%): the real peak is in backward with "
+    "656,316 bytes of temporaries beside the 437,544-byte reduce-scatter input, which gloo's "
+    "reduce-scatter (it all-reduces a copy of the whole input) makes and the fake process group "
+    "does not"
+)
 CASES = [
     pytest.param(2, GPT, id="gpt-fsdp2-2"),
     pytest.param(1, GPT, id="gpt-fsdp2-1", marks=pytest.mark.slow),
@@ -61,6 +67,18 @@ CASES = [
         marks=pytest.mark.slow,
     ),  # fmt: skip
     pytest.param(2, USER, id="user-fsdp2-2"),
+    pytest.param(
+        2,
+        ["--model", "mlp", "--batch-size", "16", "--optimizer", "adamw"],
+        id="mlp-fsdp2-2",
+        marks=[pytest.mark.slow, pytest.mark.xfail(strict=True, reason=GLOO_REDUCE_SCATTER)],
+    ),  # fmt: skip
+    pytest.param(
+        2,
+        ["--model", "cnn", "--batch-size", "16", "--optimizer", "adam"],
+        id="cnn-fsdp2-2",
+        marks=pytest.mark.slow,
+    ),  # fmt: skip
     pytest.param(4, [*USER, "--dp-replicate", "2"], id="user-hsdp-2x2", marks=pytest.mark.slow),
 ]
 
