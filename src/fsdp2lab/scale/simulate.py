@@ -6,18 +6,18 @@ The model is the run plan's meta model, parallelised by the same strategy code a
 (TP, activation checkpointing, ``fully_shard`` per unit over the data-parallel mesh), moved to
 (fake) memory, and stepped with the configured optimizer. What is measured:
 
-* memory by category over steady-state steps (:class:`FSDPMemTracker`: sharded and unsharded
+* memory by category over a steady-state step (:class:`FSDPMemTracker`: sharded and unsharded
   parameters, gradients, optimizer state, activations, temporaries, all-gather and
   reduce-scatter buffers), and the peak of their sum;
 * the sharded state this rank holds (``training.metrics.state_bytes``, as ``train`` reports it);
 * every collective's bytes by mesh dimension (a dispatch mode over the c10d ops);
-* FLOPs (``torch.utils.flop_counter``), forward and all.
+* FLOPs (``torch.utils.flop_counter``'s formulas), forward and all.
 
 Tensors are fake CPU tensors: the machine needs no GPU, and the fake process group runs FSDP2's
 CPU path (no CUDA streams). Attention through ``scaled_dot_product_attention`` takes the CPU
 flash kernel, which saves what the CUDA flash kernel saves (output and log-sum-exp), so its
-memory is the GPU kernel's. The one CUDA detail the tracker then leaves out, allocations
-rounded up to 512 bytes, is below a MiB for the models here.
+memory is the GPU kernel's. The tracker then leaves out CUDA's rounding of allocations up to
+512 bytes, and the optimizer steps one tensor at a time (:func:`_unfused`).
 """
 
 from __future__ import annotations
