@@ -29,7 +29,7 @@ LEVELS = [
     {"checkpoint"},
     {"plan"},
     {"training"},
-    {"bench"},
+    {"bench", "scale"},
     {"cli", "__main__"},
 ]
 

@@ -92,7 +92,15 @@ class TrainConfig:
     )
     batch_size: int | None = _opt(None, "per-rank micro-batch (the seeds' --batch-size)")
     test_batch_size: int = _opt(1000, "per-rank evaluation batch")
-    grad_accum_steps: int = _opt(1, "micro-batches per optimizer step; sync only on the last")
+    grad_accum_steps: int = _opt(1, "micro-batches per optimizer step (see --grad-accum-reduce)")
+    grad_accum_reduce: str = _opt(
+        "auto",
+        "FSDP2 gradient accumulation: every (reduce-scatter each micro-batch into the sharded "
+        "gradients; HSDP all-reduces across replicas on the last only) | last (no communication "
+        "before the last micro-batch: each rank holds unsharded gradients) | auto (every where "
+        "parameters are sharded over more than one rank, else last)",
+        choices=("auto", "every", "last"),
+    )
     epochs: int = _opt(2, "training epochs")
     max_steps: int | None = _opt(
         None,

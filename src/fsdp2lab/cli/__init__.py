@@ -1,11 +1,11 @@
-"""The ``fsdp2lab`` command: one module per command (train, data, ckpt, bench/report)."""
+"""The ``fsdp2lab`` command: one module per command (train, data, ckpt, bench/report, plan)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from fsdp2lab.cli import bench, ckpt, data, train
+from fsdp2lab.cli import bench, ckpt, data, plan, train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,7 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train PyTorch models with FSDP2 on a DeviceMesh, from a laptop CPU to Slurm.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in (train, data, ckpt, bench):
+    for command in (train, data, ckpt, bench, plan):
         command.register(sub)
     return parser
 

@@ -46,6 +46,7 @@ def apply_fsdp(
     device: torch.device | None = None,
     unit_policy: str = "layer",
     unit_min_params: int | None = None,
+    reduce_every_micro_batch: bool = False,
 ) -> nn.Module:
     """Shard the units (grouped by ``unit_policy``), then the root, which takes the parameters
     no unit holds. The root and the last unit keep their parameters gathered from forward to
@@ -78,6 +79,7 @@ def apply_fsdp(
     )
     if dp_mesh.device_type == "cpu":
         reduce_with_sum(model)
+    setattr(model, _REDUCE_EVERY, reduce_every_micro_batch)
     if prefetch > 0:
         set_prefetch([g[0] for g in groups], prefetch)
         if dp_mesh.device_type == "cpu":
@@ -157,9 +159,28 @@ def set_prefetch(units: list[nn.Module], depth: int) -> None:
             unit.set_modules_to_backward_prefetch(behind)
 
 
+_REDUCE_EVERY = "_fsdp2lab_reduce_every_micro_batch"
+
+
+def reduces_every_micro_batch(choice: str, dp_shard: int) -> bool:
+    """``--grad-accum-reduce``: ``auto`` reduce-scatters every micro-batch where that saves
+    memory (sharded gradients instead of unsharded ones: more than one shard)."""
+    return choice == "every" or (choice == "auto" and dp_shard > 1)
+
+
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """Turn off reduce-scatter for gradient-accumulation micro-steps (on for the last one)."""
-    if isinstance(model, FSDPModule):
+    """Gradient accumulation: ``enabled`` on the last micro-batch of a step, off before it.
+
+    Reducing every micro-batch (torchtitan's choice), each backward reduce-scatters into the
+    sharded gradients, and HSDP all-reduces them across replicas on the last only. Otherwise no
+    collective runs before the last micro-batch, and each rank accumulates unsharded gradients.
+    """
+    if not isinstance(model, FSDPModule):
+        return
+    if getattr(model, _REDUCE_EVERY, False):
+        model.set_requires_gradient_sync(True)
+        model.set_requires_all_reduce(enabled)
+    else:
         model.set_requires_gradient_sync(enabled)
 
 

@@ -92,6 +92,9 @@ def _fsdp2(model: nn.Module, plan: RunPlan, mesh: DeviceMesh, device: torch.devi
         device=device,
         unit_policy=cfg.fsdp_units,
         unit_min_params=cfg.fsdp_unit_min_params,
+        reduce_every_micro_batch=fsdp2.reduces_every_micro_batch(
+            cfg.grad_accum_reduce, plan.dims.dp_shard
+        ),
     )
 
 

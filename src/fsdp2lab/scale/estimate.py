@@ -1,0 +1,130 @@
+"""From what a simulation measured to a GPU: memory as the allocator reserves it, communication
+time per mesh dimension, step time with FSDP2's overlap, tokens per second and MFU.
+
+Measured (traced by running the code): tensor memory by category and its peak, the sharded
+state, every collective's bytes, FLOPs. Estimated here, each by a stated model:
+
+* reserved memory: the caching allocator rounds and keeps freed blocks; reserved =
+  ``peak x (1 + ALLOCATOR_OVERHEAD)``. Outside PyTorch: the CUDA context and NCCL's buffers,
+  ``NON_TORCH_GIB``. A plan fits where reserved + that <= the GPU's memory x (1 - margin).
+* compute time: FLOPs / (peak bf16 FLOP/s x efficiency).
+* collective time: ring bytes per rank / bandwidth + a latency per call; a dimension whose ranks
+  share a node (``--nproc-per-node`` consecutive ranks) moves at NVLink speed, else at
+  ``--inter-node-gbs``.
+* overlap: FSDP2 all-gathers the next unit while this one computes and reduce-scatters a unit's
+  gradients while the previous one runs backward, so its collectives (and HSDP's all-reduce)
+  cost only what exceeds compute, plus the first all-gather and the last reduce-scatter, which
+  nothing hides. Tensor-parallel collectives sit on the critical path and add in full.
+* the optimizer step: reads and writes parameters, gradients and state once at HBM bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fsdp2lab.plan import RunPlan
+from fsdp2lab.scale.gpus import GPU
+from fsdp2lab.scale.simulate import RoleRun
+
+GIB = 1024**3
+# Calibrated on torchtitan's Table 1 only (Llama 3.1 8B, FSDP on 8 H100 96 GB, local batch 2,
+# sequence 8192, per-op selective AC, bf16: 82.4 GiB max reserved, 5,762 tokens/s per GPU;
+# tests/test_scale_published.py): reserved / tracked peak 82.4 / 68.76, and the FLOP/s
+# efficiency that gives 5,762 tokens/s. Table 3 (128 GPUs) checks them.
+ALLOCATOR_OVERHEAD = 0.20  # the caching allocator's reserved memory over the tracked peak
+NON_TORCH_GIB = 1.0  # CUDA context and NCCL buffers (not calibrated: nothing published)
+DEFAULT_EFFICIENCY = 0.38  # achieved / peak dense bf16 FLOP/s of the model's kernels
+DEFAULT_MARGIN = 0.05  # of the GPU's memory kept free
+LATENCY_S = {"intra": 10e-6, "inter": 30e-6}  # per collective call
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpu: GPU
+    nproc_per_node: int
+    inter_node_gbs: float
+    efficiency: float = DEFAULT_EFFICIENCY
+    margin: float = DEFAULT_MARGIN
+
+
+def dim_spans_nodes(plan: RunPlan, dim: str, nproc_per_node: int) -> bool:
+    """Whether a mesh dimension's groups reach beyond one node (ranks are laid out row-major:
+    pp, dp_replicate, dp_shard, tp, the last varying fastest)."""
+    named = plan.dims.named_dims()
+    sizes = dict(named)
+    if dim not in sizes:
+        return False
+    inner = 1
+    for name, size in reversed(named):
+        if name == dim:
+            return inner * sizes[dim] > nproc_per_node
+        inner *= size
+    return False
+
+
+def estimate(plan: RunPlan, run: RoleRun, hw: Hardware) -> dict:
+    """The plan's figures for one rank role, as the ``--json`` output carries them."""
+    gpu = hw.gpu
+    reserved = int(run.peak_bytes * (1 + ALLOCATOR_OVERHEAD))
+    needed = reserved + int(NON_TORCH_GIB * GIB)
+    usable = gpu.hbm_gib * GIB * (1 - hw.margin)
+
+    comm = {}
+    fsdp_s = tp_s = 0.0
+    first_last_s = 0.0
+    for dim, kinds in sorted(run.comm.items()):
+        where = "inter" if dim_spans_nodes(plan, dim, hw.nproc_per_node) else "intra"
+        gbs = hw.inter_node_gbs if where == "inter" else gpu.intra_node_gbs
+        entry = {"bandwidth_gbs": gbs, "across_nodes": where == "inter"}
+        dim_s = 0.0
+        for kind, c in kinds.items():
+            seconds = c.wire_bytes / (gbs * 1e9) + c.calls * LATENCY_S[where]
+            entry[kind] = {
+                "calls": c.calls,
+                "bytes": c.tensor_bytes,
+                "wire_bytes": c.wire_bytes,
+                "seconds": seconds,
+            }
+            dim_s += seconds
+            if dim != "tp" and kind in ("all_gather", "reduce_scatter") and c.calls:
+                first_last_s += seconds / c.calls  # one unit's, unhidden
+        entry["seconds"] = dim_s
+        if dim == "tp":
+            tp_s += dim_s
+        else:
+            fsdp_s += dim_s
+        comm[dim] = entry
+
+    compute_s = run.flops / (gpu.bf16_tflops * 1e12 * hw.efficiency)
+    optimizer_s = 2 * run.state_bytes / (gpu.hbm_tbs * 1e12)
+    step_s = max(compute_s, fsdp_s) + first_last_s + tp_s + optimizer_s
+    tokens = plan.global_batch * (plan.cfg.seq_len if plan.spec.task == "lm" else 1)
+    per_gpu = tokens / plan.world_size / step_s
+    model_flops = 3 * run.forward_flops  # forward + backward (2x), no recomputation
+    return {
+        "rank": run.rank,
+        "memory": {
+            **{k: v for k, v in run.peak_by_category.items()},
+            "peak_bytes": run.peak_bytes,
+            "reserved_bytes_estimate": reserved,
+            "non_torch_bytes_estimate": int(NON_TORCH_GIB * GIB),
+            "gpu_bytes": int(gpu.hbm_gib * GIB),
+        },
+        "state": dict(run.state),
+        "state_bytes": run.state_bytes,
+        "fits": needed <= usable,
+        "headroom_bytes": int(usable - needed),
+        "comm": comm,
+        "flops_per_step": run.flops,
+        "model_flops_per_step": model_flops,
+        "time": {
+            "compute_s": compute_s,
+            "fsdp_comm_s": fsdp_s,
+            "exposed_fsdp_comm_s": max(0.0, fsdp_s - compute_s) + first_last_s,
+            "tp_comm_s": tp_s,
+            "optimizer_s": optimizer_s,
+            "step_s": step_s,
+        },
+        "tokens_per_s_per_gpu": per_gpu,
+        "mfu": model_flops / step_s / (gpu.bf16_tflops * 1e12),
+    }

@@ -1,0 +1,204 @@
+"""A plan for ``fsdp2lab plan``: simulate the run, estimate it on the GPU, and when it does not
+fit, the variants that would (more shards, another HSDP shape, full AC, TP), each with its
+figures. ``plan_report`` returns the ``--json`` object; ``format_report`` the text."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fsdp2lab.config import TrainConfig
+from fsdp2lab.errors import UsageError
+from fsdp2lab.parallel.fsdp2 import reduces_every_micro_batch
+from fsdp2lab.parallel.strategies import label
+from fsdp2lab.plan import RunPlan, resolve
+from fsdp2lab.scale.estimate import (
+    ALLOCATOR_OVERHEAD,
+    GIB,
+    LATENCY_S,
+    NON_TORCH_GIB,
+    Hardware,
+    estimate,
+)
+from fsdp2lab.scale.simulate import simulate
+
+MODELLED = (
+    "model, mesh (--dp-replicate, --dp-shard, --tp), batch, --seq-len, --grad-accum-steps, "
+    "--mixed-precision fp32/bf16, --activation-checkpointing, --reshard-after-forward, "
+    "--fsdp-units, --prefetch, --optimizer"
+)
+NOT_MODELLED = {
+    "cpu_offload": "--cpu-offload (the plan keeps state on the GPU)",
+    "compile": "--compile (the plan runs eager kernels)",
+}
+
+
+def summarize(plan: RunPlan, hw: Hardware) -> dict:
+    """Simulate and estimate every distinct rank role of ``plan`` (one, while --pp is not modelled)."""
+    roles = [estimate(plan, simulate(plan, rank=0), hw)]
+    worst = max(roles, key=lambda r: r["memory"]["peak_bytes"])
+    comm_bytes: dict[str, int] = {}
+    for dim, entry in worst["comm"].items():
+        comm_bytes[dim] = sum(v["bytes"] for v in entry.values() if isinstance(v, dict))
+    return {
+        "label": label(plan.cfg, plan.dims),
+        "mesh": dict(plan.dims.named_dims()),
+        "activation_checkpointing": plan.cfg.activation_checkpointing,
+        "global_batch": plan.global_batch,
+        "micro_batch": plan.micro_batch,
+        "peak_bytes_per_rank": worst["memory"]["peak_bytes"],
+        "reserved_bytes_per_rank": worst["memory"]["reserved_bytes_estimate"],
+        "state_bytes_per_rank": worst["state_bytes"],
+        "comm_bytes_per_step": comm_bytes,
+        "step_s": max(r["time"]["step_s"] for r in roles),
+        "tokens_per_s_per_gpu": min(r["tokens_per_s_per_gpu"] for r in roles),
+        "mfu": min(r["mfu"] for r in roles),
+        "fits": all(r["fits"] for r in roles),
+        "roles": roles,
+    }
+
+
+def variants(cfg: TrainConfig, plan: RunPlan) -> list[tuple[str, TrainConfig]]:
+    """What else to try where a plan does not fit: (what changes, its config)."""
+    out: list[tuple[str, TrainConfig]] = []
+    dims = plan.dims
+    if dims.dp_replicate > 1:
+        out.append(("shard over all data-parallel ranks (--dp-replicate 1)",
+                    dataclasses.replace(cfg, dp_replicate=1, dp_shard=-1)))  # fmt: skip
+        half = dims.dp_replicate // 2
+        if half > 1 and dims.dp_replicate % 2 == 0:
+            out.append((f"--dp-replicate {half} (twice the shards)",
+                        dataclasses.replace(cfg, dp_replicate=half, dp_shard=-1)))  # fmt: skip
+    if cfg.activation_checkpointing != "full":
+        out.append(("--activation-checkpointing full",
+                    dataclasses.replace(cfg, activation_checkpointing="full")))  # fmt: skip
+    if plan.spec.tp_plan is not None:
+        for tp in (2, 4, 8):
+            if tp > dims.tp and plan.world_size % (tp * dims.dp_replicate * dims.pp) == 0:
+                out.append((f"--tp {tp}", dataclasses.replace(cfg, tp=tp, dp_shard=-1)))
+    return out
+
+
+def plan_report(cfg: TrainConfig, world_size: int, hw: Hardware, alternatives: bool = True) -> dict:
+    """The ``--json`` object: the plan for ``cfg`` on ``world_size`` GPUs of ``hw``."""
+    # The run plan a cluster of GPUs gets, without this machine's checks (plan.check_machine).
+    plan = resolve(cfg, world_size, device_type="cuda")
+    report = {
+        "model": cfg.model,
+        "params_total": plan.params_total,
+        "world_size": world_size,
+        "nodes": -(-world_size // hw.nproc_per_node),
+        "gpu": dataclasses.asdict(hw.gpu),
+        "inter_node_gbs": hw.inter_node_gbs,
+        "efficiency": hw.efficiency,
+        "margin": hw.margin,
+        "allocator_model": f"reserved = tracked peak x {1 + ALLOCATOR_OVERHEAD:.2f}; "
+        f"{NON_TORCH_GIB:g} GiB outside PyTorch (CUDA context, NCCL)",
+        "latency_s": LATENCY_S,
+        "modelled": MODELLED,
+        "not_modelled": [text for key, text in NOT_MODELLED.items() if getattr(cfg, key)],
+        **summarize(plan, hw),
+    }
+    if cfg.grad_accum_steps > 1 and plan.dims.dp_shard > 1:
+        # Both ways to accumulate: reduce-scatter every micro-batch, or only on the last.
+        used = (
+            "every"
+            if reduces_every_micro_batch(cfg.grad_accum_reduce, plan.dims.dp_shard)
+            else "last"
+        )
+        other = "last" if used == "every" else "every"
+        alt = summarize(
+            resolve(dataclasses.replace(cfg, grad_accum_reduce=other), world_size, "cuda"), hw
+        )
+        alt.pop("roles")
+        report["grad_accum_reduce"] = used
+        report["grad_accum_other"] = {"grad_accum_reduce": other, **alt}
+    if not report["fits"] and alternatives:
+        report["alternatives"] = []
+        for what, variant in variants(cfg, plan):
+            try:
+                alt = summarize(resolve(variant, world_size, "cuda"), hw)
+            except UsageError as e:
+                report["alternatives"].append({"change": what, "error": str(e)})
+                continue
+            alt.pop("roles")
+            report["alternatives"].append({"change": what, **alt})
+    return report
+
+
+def _gib(n: float) -> str:
+    if abs(n) < GIB:
+        return f"{n / 2**20:,.1f} MiB"
+    return f"{n / GIB:,.2f} GiB"
+
+
+def format_report(r: dict) -> str:
+    gpu = r["gpu"]
+    lines = [
+        f"plan: {r['model']} ({r['params_total']:,} parameters), {r['label']} on {r['world_size']} x "
+        f"{gpu['description']} ({r['nodes']} node(s)), mesh "
+        + " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
+        + f", batch {r['micro_batch']}/rank (global {r['global_batch']}), AC {r['activation_checkpointing']}",
+    ]
+    for role in r["roles"]:
+        mem = role["memory"]
+        lines.append(f"rank role {role['rank']} (every rank alike):")
+        lines.append("  memory (tracked tensors, at the step's peak):")
+        for key in ("params", "grads", "optimizer_state", "unsharded_params", "unsharded_grads",
+                    "activations", "temporaries", "all_gather", "reduce_scatter", "inputs"):  # fmt: skip
+            if key in mem:
+                lines.append(f"    {key:<18} {_gib(mem[key])}")
+        lines.append(f"    {'peak total':<18} {_gib(mem['peak_bytes'])}")
+        lines.append(
+            f"    reserved (estimate) {_gib(mem['reserved_bytes_estimate'])} + "
+            f"{_gib(mem['non_torch_bytes_estimate'])} outside PyTorch of {_gib(mem['gpu_bytes'])}: "
+            + ("FITS" if role["fits"] else "DOES NOT FIT")
+            + f" with {r['margin']:.0%} margin (headroom {_gib(role['headroom_bytes'])})"
+        )
+        lines.append(
+            f"  sharded state: {_gib(role['state_bytes'])} (params {_gib(role['state']['param_bytes'])}, "
+            f"grads {_gib(role['state']['grad_bytes'])}, optimizer {_gib(role['state']['optimizer_state_bytes'])})"
+        )
+        lines.append("  communication per step:")
+        for dim, entry in role["comm"].items():
+            where = "across nodes" if entry["across_nodes"] else "within a node"
+            for kind, c in entry.items():
+                if isinstance(c, dict):
+                    lines.append(
+                        f"    {dim:<13} {kind:<15} {c['calls']:>4} calls {_gib(c['bytes']):>13} "
+                        f"({where}, {entry['bandwidth_gbs']:g} GB/s): {c['seconds'] * 1e3:,.1f} ms"
+                    )
+        t = role["time"]
+        lines.append(
+            f"  step: {t['step_s'] * 1e3:,.1f} ms = compute {t['compute_s'] * 1e3:,.1f} ms at "
+            f"{r['efficiency']:.0%} of {gpu['bf16_tflops']:g} TFLOP/s + exposed FSDP comm "
+            f"{t['exposed_fsdp_comm_s'] * 1e3:,.1f} ms + TP comm {t['tp_comm_s'] * 1e3:,.1f} ms "
+            f"+ optimizer {t['optimizer_s'] * 1e3:,.1f} ms"
+        )
+        lines.append(
+            f"  {role['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU {role['mfu']:.1%}"
+        )
+    lines.append(f"modelled: {r['modelled']}")
+    if r["not_modelled"]:
+        lines.append("not modelled: " + "; ".join(r["not_modelled"]))
+    if "grad_accum_other" in r:
+        o = r["grad_accum_other"]
+        lines.append(
+            f"gradient accumulation: --grad-accum-reduce {r['grad_accum_reduce']} (above); with "
+            f"{o['grad_accum_reduce']}: peak {_gib(o['peak_bytes_per_rank'])}, "
+            f"step {o['step_s'] * 1e3:,.1f} ms, {o['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
+            + ", ".join(f"{d} {_gib(b)}" for d, b in o["comm_bytes_per_step"].items())
+            + " a step"
+        )
+    if r.get("alternatives"):
+        lines.append("it does not fit; what would:")
+    for alt in r.get("alternatives", []):
+        if "error" in alt:
+            lines.append(f"  instead: {alt['change']}: not possible ({alt['error']})")
+            continue
+        lines.append(
+            f"  instead: {alt['change']}: peak {_gib(alt['peak_bytes_per_rank'])}, reserved "
+            f"{_gib(alt['reserved_bytes_per_rank'])}, {'fits' if alt['fits'] else 'does not fit'}, "
+            f"step {alt['step_s'] * 1e3:,.1f} ms, {alt['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
+            f"MFU {alt['mfu']:.1%}"
+        )
+    return "\n".join(lines)
