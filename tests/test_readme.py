@@ -115,6 +115,9 @@ EXPECT: dict[str, tuple[list[str], list[str]]] = {
         [r"exported \d+ tensors"], ["model.safetensors"]),
     "fsdp2lab ckpt import model.pt tune && fsdp2lab train --ckpt-dir tune --epochs 3": (
         [r"imported model\.pt as tune", r"loaded model weights from tune"], []),
+    "fsdp2lab plan --model gpt --n-layers 12 --d-model 768 --n-heads 12 --seq-len 1024 --vocab-size 50304 --batch-size 8 --mixed-precision bf16 --optimizer adamw --world-size 64 --dp-replicate 8 --gpu h100": (
+        [r"plan: gpt \([\d,]+ parameters\), .* on 64 x ", r"mesh dp_replicate=8 x dp_shard=8",
+         r"peak total", r"reserved \(estimate\)", r"tokens/s per GPU, MFU"], []),
 }  # fmt: skip
 # The fine-tuning block needs a pretrained model and the hf extra: it runs as written in
 # test_fine_tune_block_runs_as_written, on a small model the test saves.
