@@ -25,6 +25,11 @@ BAD = [
     (["--ckpt-dir", "c", "--keep-last", "-1"], "--keep-last must be >= 0, got -1"),
     (["--collective-timeout", "0"], "--collective-timeout must be > 0, got 0.0"),
     (["--dp-shard", "0"], "--dp-shard must be >= 1 or -1 (the rest), got 0"),
+    (
+        ["--strategy", "fsdp1", "--mixed-precision", "fp16"],
+        "--mixed-precision fp16 with --strategy fsdp1: the gradient scaler cannot agree across "
+        "FSDP1's shards; use --strategy fsdp2 (its scaler checks every shard) or bf16",
+    ),
 ]
 
 

@@ -65,6 +65,13 @@ def check(cfg) -> None:
             f"--strategy fsdp1 has no equivalent of --reshard-after-forward {reshard} "
             "(resharding to a smaller group is FSDP2 only); use true or false"
         )
+    if cfg.mixed_precision == "fp16":
+        # FSDP1's shards are plain tensors: each rank's scaler would see only its own shard's
+        # overflow, and the ranks would skip different steps.
+        raise UsageError(
+            "--mixed-precision fp16 with --strategy fsdp1: the gradient scaler cannot agree "
+            "across FSDP1's shards; use --strategy fsdp2 (its scaler checks every shard) or bf16"
+        )
 
 
 def sharding_strategy(reshard_after_forward: bool, hybrid: bool) -> ShardingStrategy:
