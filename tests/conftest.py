@@ -20,11 +20,12 @@ FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 # Under CI=true a skip is a failure: a stage must not pass while doing nothing because a system
 # part (Slurm, Fashion-MNIST, transformers in the hf stage, root for a tmpfs) is missing. Allowed:
 # a `gpu` test without a GPU, a `compat` test's branch for another torch version, and a module
-# needing an extra's package (transformers: the hf extra) collected in a stage that runs none of
+# needing an extra's package (transformers and tokenizers: the hf extra; pyarrow: the data extra,
+# both installed by the hf stage) collected in a stage that runs none of
 # its tests. `-ra` (pyproject.toml) prints every skip's reason in every stage.
 CI = os.environ.get("CI", "").lower() in ("true", "1")
 SKIP_ALLOWED_MARKERS = ("gpu", "compat")
-EXTRA_STAGES = {"transformers": "hf"}
+EXTRA_STAGES = {"transformers": "hf", "tokenizers": "hf", "pyarrow": "hf"}
 
 
 def _stage_runs(config: pytest.Config, marker: str) -> bool:
