@@ -17,7 +17,7 @@ from fsdp2lab import cli
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.data.tokens import TokenWindows, WindowOrder, load
 from fsdp2lab.errors import UsageError
-from fsdp2lab.plan import resolve
+from fsdp2lab.plan import resolve_here
 
 pytestmark = [pytest.mark.hf]
 tokenizers = pytest.importorskip("tokenizers")
@@ -186,7 +186,7 @@ def test_gpt_on_tokens_fsdp2_matches_one_process_and_resumes_at_another_world_si
 def test_bad_token_files_are_one_line_before_any_worker(corpus, token_dir, tmp_path):
     with pytest.raises(UsageError, match=r"its tokenizer's vocabulary \(300 tokens\) is larger "
                                          r"than the model's embedding \(256\)"):  # fmt: skip
-        resolve(TrainConfig(model="gpt", dataset=f"tokens:{token_dir}", vocab_size=256), 2)
+        resolve_here(TrainConfig(model="gpt", dataset=f"tokens:{token_dir}", vocab_size=256), 2)
     other = make_tokenizer(tmp_path / "other", vocab=290)
     proc = run_cli(["train", *GPT, "--dataset", f"tokens:{token_dir}", "--tokenizer", str(other),
                     "--nproc-per-node", "2"], cwd=tmp_path)  # fmt: skip
@@ -196,9 +196,9 @@ def test_bad_token_files_are_one_line_before_any_worker(corpus, token_dir, tmp_p
         f"({corpus['tokenizer'].resolve()}) than --tokenizer {other} (their files' hashes differ)\n"
     )
     with pytest.raises(UsageError, match=r"no tokens.json there"):
-        resolve(TrainConfig(model="gpt", dataset=f"tokens:{tmp_path}"), 1)
+        resolve_here(TrainConfig(model="gpt", dataset=f"tokens:{tmp_path}"), 1)
     # The same tokenizer: accepted.
     same = str(corpus["tokenizer"])
-    resolve(
+    resolve_here(
         TrainConfig(model="gpt", dataset=f"tokens:{token_dir}", vocab_size=320, tokenizer=same), 1
     )
