@@ -245,3 +245,18 @@ def test_the_loss_rides_on_the_gradient_norms_all_reduce_under_plain_fsdp(one_ra
     assert guard.before_optimizer_step(trainer, torch.tensor(1.0)) is True
     trainer.step_norm_checks = False
     assert guard.before_optimizer_step(trainer, torch.tensor(1.0)) is False
+
+
+def test_reserved_memory_counts_the_sharded_gradients_once():
+    """The allocator model: the gradients' blocks stay reserved (reduce-scatter stream) whether or
+    not they are live at the tracked peak; the rest of the peak carries the allocator's factor."""
+    from fsdp2lab.scale.estimate import ALLOCATOR_OVERHEAD, reserved_bytes
+    from fsdp2lab.scale.simulate import RoleRun
+
+    def run(peak: int, grads_at_peak: int) -> RoleRun:
+        state = {"param_bytes": 100, "grad_bytes": 100, "optimizer_state_bytes": 200}
+        return RoleRun(0, peak, {"grads": grads_at_peak}, state, flops=0, forward_flops=0)
+
+    factor = 1 + ALLOCATOR_OVERHEAD
+    assert reserved_bytes(run(1000, 0)) == int(1000 * factor) + 100  # peak in the loss
+    assert reserved_bytes(run(1100, 100)) == int(1000 * factor) + 100  # peak in backward

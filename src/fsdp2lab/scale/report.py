@@ -12,7 +12,7 @@ from fsdp2lab.parallel.fsdp2 import reduces_every_micro_batch
 from fsdp2lab.parallel.strategies import label
 from fsdp2lab.plan import RunPlan, resolve
 from fsdp2lab.scale.estimate import (
-    ALLOCATOR_OVERHEAD,
+    ALLOCATOR_MODEL,
     GIB,
     LATENCY_S,
     NON_TORCH_GIB,
@@ -91,8 +91,8 @@ def plan_report(cfg: TrainConfig, world_size: int, hw: Hardware, alternatives: b
         "inter_node_gbs": hw.inter_node_gbs,
         "efficiency": hw.efficiency,
         "margin": hw.margin,
-        "allocator_model": f"reserved = tracked peak x {1 + ALLOCATOR_OVERHEAD:.2f}; "
-        f"{NON_TORCH_GIB:g} GiB outside PyTorch (CUDA context, NCCL)",
+        "allocator_model": f"{ALLOCATOR_MODEL}; {NON_TORCH_GIB:g} GiB outside PyTorch (CUDA "
+        "context, NCCL)",
         "latency_s": LATENCY_S,
         "modelled": MODELLED,
         "not_modelled": [text for key, text in NOT_MODELLED.items() if getattr(cfg, key)],
