@@ -86,10 +86,16 @@ CASES = [
 
 @pytest.mark.parametrize("world, flags", CASES)
 def test_plan_matches_real_run(world, flags):
-    """State bytes equal; peak tensor memory within 10% (the same tracker, real tensors, gloo)."""
+    """State bytes and collectives (calls and bytes by mesh dimension) equal; peak tensor memory
+    within 10% (the same tracker, real tensors, gloo)."""
     planned = simulate(plan_of(world, flags), device_type="cpu")
     real = measure(world, flags)
     assert planned.state == real["state"]
+    comm = {
+        d: {k: [c.calls, c.tensor_bytes] for k, c in kinds.items()}
+        for d, kinds in planned.comm.items()
+    }
+    assert comm == real["comm"]
     assert abs(planned.peak_bytes - real["peak_bytes"]) <= 0.10 * real["peak_bytes"], (
         planned.peak_bytes,
         real["peak_bytes"],

@@ -1,13 +1,13 @@
-"""One rank of a real CPU run (gloo) measured by the tracker ``fsdp2lab plan`` simulates with:
-the trainer's model (``build_model``) and optimizer, two tracked steps of ``scale.simulate.train_step``.
-Rank 0 prints one JSON line: peak tensor bytes, by category, and its sharded state.
+"""One rank of a real CPU run (gloo) measured by the tracker and counter ``fsdp2lab plan``
+simulates with: the trainer's model (``build_model``) and optimizer, a tracked steady step of
+``scale.simulate.train_step``. Rank 0 prints one JSON line: peak tensor bytes, by category, its
+sharded state, and its collectives (calls and bytes by mesh dimension).
 
 torchrun --nproc-per-node N tests/scripts/scale_measure.py TRAIN_FLAGS...
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -21,7 +21,7 @@ from fsdp2lab.parallel.strategies import build_model
 from fsdp2lab.plan import resolve
 from fsdp2lab.runtime.distributed import exit_process
 from fsdp2lab.runtime.mesh import build_mesh
-from fsdp2lab.scale.simulate import _batch, track
+from fsdp2lab.scale.simulate import StepCounter, _batch, _group_dims, track
 from fsdp2lab.training.metrics import state_bytes
 from fsdp2lab.training.optim import build_optimizer
 
@@ -29,8 +29,6 @@ from fsdp2lab.training.optim import build_optimizer
 def main() -> None:
     args = build_parser().parse_args(["train", *sys.argv[1:]])
     cfg = config_from_args(args)
-    if hasattr(cfg, "gloo_collectives"):  # torch's own collectives, as the simulation's
-        cfg = dataclasses.replace(cfg, gloo_collectives="builtin")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     plan = resolve(cfg, world)
@@ -39,10 +37,16 @@ def main() -> None:
     model = build_model(plan, mesh, device)
     optimizer = build_optimizer(model.parameters(), plan.cfg)
     torch.manual_seed(rank)
-    peak, by_category = track(plan, model, optimizer, lambda: _batch(plan))
+    counter = StepCounter(_group_dims(mesh))
+    peak, by_category = track(plan, model, optimizer, lambda: _batch(plan), (counter,))
     if rank == 0:
         state = state_bytes(model, optimizer)
-        print(json.dumps({"peak_bytes": peak, "by_category": by_category, "state": state}))
+        comm = {
+            dim: {kind: [c.calls, c.tensor_bytes] for kind, c in kinds.items()}
+            for dim, kinds in counter.comm.items()
+        }
+        print(json.dumps({"peak_bytes": peak, "by_category": by_category, "state": state,
+                          "comm": comm}))  # fmt: skip
     dist.barrier()
     dist.destroy_process_group()
 

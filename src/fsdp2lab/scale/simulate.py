@@ -98,6 +98,19 @@ _COLLECTIVES = {
     "allreduce_": "all_reduce",
     "allreduce_coalesced_": "all_reduce",
 }
+# Functional collectives (``_c10d_functional``: DTensor's, so tensor parallelism's): the op's
+# input, the group's name last.
+_FUNCTIONAL = {
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_reduce_coalesced_": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+}
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -131,27 +144,33 @@ class StepCounter(TorchDispatchMode):
             out = func(*args, **kwargs)
             self.flops += formula(*args, **kwargs, out_val=out)
             return out
-        name = func._schema.name
-        kind = _COLLECTIVES.get(name.removeprefix("c10d::"))
-        if kind is not None:
+        namespace, _, name = func._schema.name.partition("::")
+        if namespace == "c10d" and name in _COLLECTIVES:
+            kind = _COLLECTIVES[name]
             group = next(a for a in args if isinstance(a, torch.ScriptObject))
-            dim, size = self._dim_of(group)
-            if size > 1:
-                # all-gather: the output; reduce-scatter: the input; all-reduce: the tensor
-                big = _tensors(args[0]) if kind != "reduce_scatter" else _tensors(args[1])
-                if kind == "all_gather" and name.endswith("_allgather_base_"):
-                    big = _tensors(args[0])
-                nbytes = sum(t.numel() * t.element_size() for t in big)
-                entry = self.comm[dim][kind]
-                entry.calls += 1
-                entry.tensor_bytes += nbytes
-                factor = 2 if kind == "all_reduce" else 1
-                entry.wire_bytes += factor * nbytes * (size - 1) // size
+            # all-gather: the output; reduce-scatter: the input; all-reduce: the tensor
+            big = args[1] if kind == "reduce_scatter" else args[0]
+            self._count(kind, dist.ProcessGroup.unbox(group), _nbytes(big))
+        elif namespace == "_c10d_functional" and name in _FUNCTIONAL:
+            kind = _FUNCTIONAL[name]
+            group = dist.distributed_c10d._resolve_process_group(args[-1])
+            scale = group.size() if kind == "all_gather" else 1  # the gathered output
+            self._count(kind, group, scale * _nbytes(args[0]))
         return func(*args, **kwargs)
 
-    def _dim_of(self, group) -> tuple[str, int]:
-        pg = dist.ProcessGroup.unbox(group) if isinstance(group, torch.ScriptObject) else group
-        return self.group_dims.get(pg.group_name, "other"), pg.size()
+    def _count(self, kind: str, group: dist.ProcessGroup, nbytes: int) -> None:
+        size = group.size()
+        if size == 1:
+            return
+        entry = self.comm[self.group_dims.get(group.group_name, "other")][kind]
+        entry.calls += 1
+        entry.tensor_bytes += nbytes
+        factor = 2 if kind == "all_reduce" else 1
+        entry.wire_bytes += factor * nbytes * (size - 1) // size
+
+
+def _nbytes(value) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(value))
 
 
 def _group_dims(mesh) -> dict[str, str]:

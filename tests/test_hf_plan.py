@@ -1,0 +1,73 @@
+"""``fsdp2lab plan --model hf:PATH`` on a folder holding only ``config.json`` (no weights).
+
+Llama 3.1 8B's config values: the plan builds the model from them on the meta device, and its
+parameters and sharded state are the 8B model's (the same count as torchtitan's model code,
+``tests/fixtures/llama3.py``); ``--tp 2`` takes the model's own tensor-parallel plan. On a small
+config, the attention's activations grow linearly with the sequence: the simulation takes the
+flash kernel (output and log-sum-exp saved), not a path that materialises the score matrix.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_cli
+from fsdp2lab.cli import build_parser
+from fsdp2lab.config import config_from_args
+from fsdp2lab.plan import resolve
+from fsdp2lab.scale.simulate import simulate
+
+pytestmark = [pytest.mark.hf]
+transformers = pytest.importorskip("transformers")
+
+LLAMA_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+            "max_position_embeddings": 131072, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False}  # fmt: skip
+PARAMS_8B = 8_030_261_248
+
+
+def config_folder(path, **values):
+    transformers.LlamaConfig(**values).save_pretrained(path)
+    assert sorted(p.name for p in path.iterdir()) == ["config.json"]
+    return path
+
+
+def plan_json(folder, *flags: str) -> dict:
+    proc = run_cli(["plan", "--model", f"hf:{folder}", *flags, "--json"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def test_llama_8b_from_its_config_alone(tmp_path):
+    folder = config_folder(tmp_path / "llama-3.1-8b", **LLAMA_8B)
+    common = ["--seq-len", "8192", "--batch-size", "2", "--mixed-precision", "bf16",
+              "--optimizer", "adamw", "--activation-checkpointing", "full", "--gpu", "h100"]  # fmt: skip
+    fsdp = plan_json(folder, *common, "--world-size", "8")
+    assert fsdp["params_total"] == PARAMS_8B
+    assert fsdp["mesh"] == {"dp_shard": 8}
+    # fp32 parameter and gradient, AdamW's two moments: 16 bytes a parameter, an eighth of them
+    assert abs(fsdp["state_bytes_per_rank"] - 16 * PARAMS_8B / 8) < 1e-4 * 16 * PARAMS_8B / 8
+    assert fsdp["fits"] is True
+    tp = plan_json(folder, *common, "--world-size", "8", "--tp", "2")
+    assert tp["mesh"] == {"dp_shard": 4, "tp": 2}
+    assert abs(tp["state_bytes_per_rank"] - fsdp["state_bytes_per_rank"]) < 1e-3 * 16e9 / 8
+    assert set(tp["comm_bytes_per_step"]) == {"dp_shard", "tp"}
+
+
+def test_attention_memory_is_linear_in_the_sequence(tmp_path):
+    """A materialised score matrix (batch x heads x seq x seq, fp32: 64 MiB a layer at 2,048)
+    would more than triple the activations when the sequence doubles; flash attention doubles them."""
+    folder = config_folder(tmp_path / "small", hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                           vocab_size=256, max_position_embeddings=8192)  # fmt: skip
+
+    def activations(seq: int) -> int:
+        flags = ["train", "--model", f"hf:{folder}", "--seq-len", str(seq), "--batch-size", "1"]
+        plan = resolve(config_from_args(build_parser().parse_args(flags)), 2)
+        return simulate(plan).peak_by_category["activations"]
+
+    short, long = activations(2048), activations(4096)
+    assert 1.8 * short <= long <= 2.3 * short, (short, long)
