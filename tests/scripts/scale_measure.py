@@ -2,6 +2,11 @@
 the trainer's model (``build_model``) and optimizer, two tracked steps of ``scale.simulate.train_step``.
 Rank 0 prints one JSON line: peak tensor bytes, by category, and its sharded state.
 
+Under ``--pp`` each rank's stage runs the trainer's :class:`fsdp2lab.parallel.pp.Pipeline` (torch's
+schedule, activations and gradients sent between real ranks): one untracked step first (the
+schedule infers the shapes sent between stages from it), then the tracked one. Rank 0 prints
+``{"stages": [...]}``: the same figures for the first rank of each stage.
+
 torchrun --nproc-per-node N tests/scripts/scale_measure.py TRAIN_FLAGS...
 """
 
@@ -17,11 +22,12 @@ import torch.distributed as dist
 
 from fsdp2lab.cli import build_parser
 from fsdp2lab.config import config_from_args
+from fsdp2lab.parallel.pp import Pipeline
 from fsdp2lab.parallel.strategies import build_model
 from fsdp2lab.plan import resolve
 from fsdp2lab.runtime.distributed import exit_process
 from fsdp2lab.runtime.mesh import build_mesh
-from fsdp2lab.scale.simulate import _batch, track
+from fsdp2lab.scale.simulate import _batch, track, train_step
 from fsdp2lab.training.metrics import state_bytes
 from fsdp2lab.training.optim import build_optimizer
 
@@ -39,10 +45,25 @@ def main() -> None:
     model = build_model(plan, mesh, device)
     optimizer = build_optimizer(model.parameters(), plan.cfg)
     torch.manual_seed(rank)
-    peak, by_category = track(plan, model, optimizer, lambda: _batch(plan))
+    pipeline = None
+    if plan.dims.pp > 1:
+        pipeline = Pipeline(model, mesh, device, plan.n_microbatches, plan.cfg.pp_schedule)
+        train_step(plan, model, optimizer, lambda: _batch(plan), pipeline=pipeline)
+        optimizer.zero_grad(set_to_none=True)
+    peak, by_category = track(plan, model, optimizer, lambda: _batch(plan), pipeline=pipeline)
+    result = {
+        "peak_bytes": peak,
+        "by_category": by_category,
+        "state": state_bytes(model, optimizer),
+    }
+    if pipeline is not None:
+        result["stage"] = pipeline.stage_index
+        results: list = [None] * world
+        dist.all_gather_object(results, result)
+        per_stage = world // plan.dims.pp
+        result = {"stages": results[::per_stage]}
     if rank == 0:
-        state = state_bytes(model, optimizer)
-        print(json.dumps({"peak_bytes": peak, "by_category": by_category, "state": state}))
+        print(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
 
