@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -371,8 +372,10 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
     try:
         mesh = build_mesh(plan.dims, "cpu")
         device = torch.device("cpu")
-        # Parallelised on the meta device, as the trainer does; then fake memory for it.
-        model = plan.strategy.parallelize(copy.deepcopy(plan.meta_model), plan, mesh, device)
+        # Parallelised on the meta device, as the trainer does; then fake memory for it. (The
+        # pipeline's log of its stages is the trainer's, not the plan's: the plan lists them.)
+        with _quiet("fsdp2lab.parallel.pp"):
+            model = plan.strategy.parallelize(copy.deepcopy(plan.meta_model), plan, mesh, device)
         with FakeTensorMode(allow_non_fake_inputs=True):
             to_empty(model, device)
             optimizer = _unfused(build_optimizer(model.parameters(), plan.cfg))
@@ -402,6 +405,18 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
         )
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _quiet(logger: str):
+    """The logger ``logger`` at warnings and up for the duration."""
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _unfused(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
