@@ -179,6 +179,9 @@ def test_plan_pp_roles():
     assert text.returncode == 0, text.stderr
     assert "rank role 2: pipeline stage 1 [blocks.1, norm, lm_head]" in text.stdout
     assert "pipeline bubble" in text.stdout
+    proc = run_cli(["plan", *GPT, "--world-size", "4", "--pp", "2", "--tp", "2"])
+    assert proc.returncode == 2
+    assert "does not model --pp with --tp yet" in proc.stderr
 
 
 def test_plan_that_does_not_fit_lists_alternatives():

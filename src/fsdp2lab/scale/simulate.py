@@ -184,6 +184,10 @@ def check_supported(plan: RunPlan) -> None:
         raise UsageError(
             f"fsdp2lab plan models --strategy fsdp2 (with HSDP and --tp), not {cfg.strategy}"
         )
+    if plan.dims.pp > 1 and plan.dims.tp > 1:
+        # The shapes a stage sends are then its TP-sharded outputs', which stage_shapes (the
+        # unparallelised meta model) does not give.
+        raise UsageError("fsdp2lab plan does not model --pp with --tp yet; plan each alone")
     if cfg.mixed_precision == "fp16":
         raise UsageError(
             "fsdp2lab plan does not model --mixed-precision fp16 (its loss scaler); use bf16"
