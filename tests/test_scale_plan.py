@@ -14,7 +14,7 @@ from conftest import GPT_TINY, TINY, cli_env, run_cli, train
 from fsdp2lab.cli import build_parser
 from fsdp2lab.config import config_from_args
 from fsdp2lab.plan import resolve
-from fsdp2lab.scale.simulate import simulate
+from fsdp2lab.scale.simulate import simulate, stage_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 MEASURE = ROOT / "tests" / "scripts" / "scale_measure.py"
@@ -28,7 +28,8 @@ def plan_of(world: int, flags: list[str]):
 
 
 def measure(world: int, flags: list[str]) -> dict:
-    """The real run's tracked peak and state on rank 0 (``world`` gloo ranks on this machine)."""
+    """The real run's tracked peak and state on rank 0 (``world`` gloo ranks on this machine);
+    under --pp, ``{"stages": [...]}``: those of each stage's first rank."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -81,27 +82,48 @@ CASES = [
         marks=[pytest.mark.slow, pytest.mark.xfail(strict=False, reason=GLOO_REDUCE_SCATTER)],
     ),  # fmt: skip
     pytest.param(4, [*USER, "--dp-replicate", "2"], id="user-hsdp-2x2", marks=pytest.mark.slow),
+    # --pp: every stage planned (its own rank role) and measured on the real Pipeline
+    pytest.param(
+        2, [*GPT, "--pp", "2", "--pp-schedule", "1f1b"], id="gpt-pp-2-1f1b", marks=pytest.mark.slow
+    ),  # fmt: skip
+    pytest.param(
+        2,
+        [*GPT, "--pp", "2", "--pp-schedule", "gpipe"],
+        id="gpt-pp-2-gpipe",
+        marks=pytest.mark.slow,
+    ),  # fmt: skip
+    pytest.param(
+        4,
+        [*GPT, "--pp", "2", "--pp-schedule", "1f1b"],
+        id="gpt-pp-2-fsdp2-2-1f1b",
+        marks=pytest.mark.slow,
+    ),  # fmt: skip
 ]
 
 
 @pytest.mark.parametrize("world, flags", CASES)
 def test_plan_matches_real_run(world, flags):
     """State bytes and collectives (calls and bytes by mesh dimension) equal; peak tensor memory
-    within 10% (the same tracker, real tensors, gloo)."""
-    planned = simulate(plan_of(world, flags), device_type="cpu")
+    within 10% (the same tracker, real tensors, gloo); under --pp, for every stage."""
+    plan = plan_of(world, flags)
+    planned = [simulate(plan, rank=rank, device_type="cpu") for rank in stage_ranks(plan)]
     real = measure(world, flags)
-    assert planned.state == real["state"]
-    comm = {
-        d: {k: [c.calls, c.tensor_bytes] for k, c in kinds.items()}
-        for d, kinds in planned.comm.items()
-    }
-    assert comm == real["comm"]
-    assert abs(planned.peak_bytes - real["peak_bytes"]) <= 0.10 * real["peak_bytes"], (
-        planned.peak_bytes,
-        real["peak_bytes"],
-        planned.peak_by_category,
-        real["by_category"],
-    )
+    reals = real["stages"] if plan.dims.pp > 1 else [real]
+    assert len(reals) == len(planned)
+    for p, r in zip(planned, reals, strict=True):
+        assert p.state == r["state"], (p.stage, p.state, r["state"])
+        comm = {
+            d: {k: [c.calls, c.tensor_bytes] for k, c in kinds.items()}
+            for d, kinds in p.comm.items()
+        }
+        assert comm == r["comm"], (p.stage, comm, r["comm"])
+        assert abs(p.peak_bytes - r["peak_bytes"]) <= 0.10 * r["peak_bytes"], (
+            p.stage,
+            p.peak_bytes,
+            r["peak_bytes"],
+            p.peak_by_category,
+            r["by_category"],
+        )
 
 
 def test_plan_state_equals_trainer_metrics(tmp_path):
@@ -133,6 +155,38 @@ def test_plan_json_at_scale():
     # 8 replicas across 8 nodes: the all-reduce crosses nodes, the shards stay within one
     comm = r["roles"][0]["comm"]
     assert comm["dp_replicate"]["across_nodes"] and not comm["dp_shard"]["across_nodes"]
+
+
+def test_plan_pp_roles():
+    """--pp 2: two rank roles, one per stage, each with its modules and state; the --json object
+    has the per-role list, the worst role's peak, the pipeline and its bubble in the step time."""
+    proc = run_cli(["plan", *GPT, "--world-size", "4", "--pp", "2", "--pp-schedule", "gpipe",
+                    "--json"])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    roles = r["roles"]
+    assert [(role["rank"], role["stage"]) for role in roles] == [(0, 0), (2, 1)]
+    assert roles[0]["modules"][0] == "tok_emb" and roles[1]["modules"][-1] == "lm_head"
+    assert roles[0]["state_bytes"] != roles[1]["state_bytes"]
+    assert r["peak_bytes_per_rank"] == max(role["memory"]["peak_bytes"] for role in roles)
+    assert r["state_bytes_per_rank"] == max(role["state_bytes"] for role in roles)
+    n = 4  # micro-batches: 2 x stages
+    assert r["pipeline"] == {"stages": 2, "schedule": "gpipe", "n_microbatches": n,
+                             "microbatch": 1, "bubble_fraction": 1 / 5}  # fmt: skip
+    for role in roles:
+        t = role["time"]
+        assert t["pipeline_bubble_s"] == pytest.approx(t["compute_s"] / n)
+        sent = role["comm"]["pp"]["send"]
+        # one micro-batch's activations (or their gradients): 1 x 64 positions x 64 fp32
+        assert sent["calls"] == n and sent["bytes"] == n * 64 * 64 * 4
+    assert set(r["comm_bytes_per_step"]) == {"pp", "dp_shard"}
+    text = run_cli(["plan", *GPT, "--world-size", "4", "--pp", "2"])
+    assert text.returncode == 0, text.stderr
+    assert "rank role 2: pipeline stage 1 [blocks.1, norm, lm_head]" in text.stdout
+    assert "pipeline bubble" in text.stdout
+    proc = run_cli(["plan", *GPT, "--world-size", "4", "--pp", "2", "--tp", "2"])
+    assert proc.returncode == 2
+    assert "does not model --pp with --tp yet" in proc.stderr
 
 
 def test_plan_that_does_not_fit_lists_alternatives():

@@ -20,6 +20,11 @@ state, every collective's bytes, FLOPs. Estimated here, each by a stated model:
   cost only what exceeds compute, plus the first all-gather and the last reduce-scatter, which
   nothing hides. Tensor-parallel collectives sit on the critical path and add in full.
 * the optimizer step: reads and writes parameters, gradients and state once at HBM bandwidth.
+* pipeline (``--pp``): a stage computes its micro-batches in turn, and GPipe and 1F1B both leave
+  it idle for P - 1 micro-batches' time (filling and draining the pipeline): the bubble,
+  (P - 1) / (n + P - 1) of the step's compute, i.e. the stage's compute x (P - 1) / n. Its
+  point-to-point sends (activations forward, gradients backward) and the loss's all-reduce over
+  the stages add in full.
 """
 
 from __future__ import annotations
@@ -88,7 +93,7 @@ def estimate(plan: RunPlan, run: RoleRun, hw: Hardware) -> dict:
     usable = gpu.hbm_gib * GIB * (1 - hw.margin)
 
     comm = {}
-    fsdp_s = tp_s = 0.0
+    fsdp_s = tp_s = pp_s = 0.0
     first_last_s = 0.0
     for dim, kinds in sorted(run.comm.items()):
         where = "inter" if dim_spans_nodes(plan, dim, hw.nproc_per_node) else "intra"
@@ -104,23 +109,28 @@ def estimate(plan: RunPlan, run: RoleRun, hw: Hardware) -> dict:
                 "seconds": seconds,
             }
             dim_s += seconds
-            if dim != "tp" and kind in ("all_gather", "reduce_scatter") and c.calls:
+            if dim not in ("tp", "pp") and kind in ("all_gather", "reduce_scatter") and c.calls:
                 first_last_s += seconds / c.calls  # one unit's, unhidden
         entry["seconds"] = dim_s
         if dim == "tp":
             tp_s += dim_s
+        elif dim == "pp":
+            pp_s += dim_s
         else:
             fsdp_s += dim_s
         comm[dim] = entry
 
     compute_s = run.flops / (gpu.bf16_tflops * 1e12 * hw.efficiency)
     optimizer_s = 2 * run.state_bytes / (gpu.hbm_tbs * 1e12)
-    step_s = max(compute_s, fsdp_s) + first_last_s + tp_s + optimizer_s
+    stages, n = plan.dims.pp, plan.n_microbatches
+    bubble_s = compute_s * (stages - 1) / n  # (P - 1) / (n + P - 1) of compute + bubble
+    step_s = max(compute_s, fsdp_s) + first_last_s + tp_s + optimizer_s + bubble_s + pp_s
     tokens = plan.global_batch * (plan.cfg.seq_len if plan.spec.task == "lm" else 1)
     per_gpu = tokens / plan.world_size / step_s
     model_flops = 3 * run.forward_flops  # forward + backward (2x), no recomputation
     return {
         "rank": run.rank,
+        **({"stage": run.stage, "modules": list(run.modules)} if run.stage is not None else {}),
         "memory": {
             **{k: v for k, v in run.peak_by_category.items()},
             "peak_bytes": run.peak_bytes,
@@ -140,6 +150,8 @@ def estimate(plan: RunPlan, run: RoleRun, hw: Hardware) -> dict:
             "fsdp_comm_s": fsdp_s,
             "exposed_fsdp_comm_s": max(0.0, fsdp_s - compute_s) + first_last_s,
             "tp_comm_s": tp_s,
+            "pipeline_bubble_s": bubble_s,
+            "pp_comm_s": pp_s,
             "optimizer_s": optimizer_s,
             "step_s": step_s,
         },

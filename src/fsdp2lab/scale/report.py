@@ -19,12 +19,13 @@ from fsdp2lab.scale.estimate import (
     Hardware,
     estimate,
 )
-from fsdp2lab.scale.simulate import simulate
+from fsdp2lab.scale.simulate import simulate, stage_ranks
 
 MODELLED = (
     "model, mesh (--dp-replicate, --dp-shard, --tp), batch, --seq-len, --grad-accum-steps, "
     "--mixed-precision fp32/bf16, --activation-checkpointing, --reshard-after-forward, "
-    "--fsdp-units, --prefetch, --optimizer"
+    "--fsdp-units, --prefetch, --optimizer, --pp (each stage a rank role) with --pp-schedule "
+    "gpipe/1f1b and --pp-microbatches"
 )
 NOT_MODELLED = {
     "cpu_offload": "--cpu-offload (the plan keeps state on the GPU)",
@@ -33,12 +34,27 @@ NOT_MODELLED = {
 
 
 def summarize(plan: RunPlan, hw: Hardware) -> dict:
-    """Simulate and estimate every distinct rank role of ``plan`` (one, while --pp is not modelled)."""
-    roles = [estimate(plan, simulate(plan, rank=0), hw)]
+    """Simulate and estimate every distinct rank role of ``plan``: one (every rank alike), or
+    one per pipeline stage under --pp. The per-rank figures are the worst role's."""
+    roles = [estimate(plan, simulate(plan, rank=rank), hw) for rank in stage_ranks(plan)]
     worst = max(roles, key=lambda r: r["memory"]["peak_bytes"])
     comm_bytes: dict[str, int] = {}
-    for dim, entry in worst["comm"].items():
-        comm_bytes[dim] = sum(v["bytes"] for v in entry.values() if isinstance(v, dict))
+    for role in roles:
+        for dim, entry in role["comm"].items():
+            total = sum(v["bytes"] for v in entry.values() if isinstance(v, dict))
+            comm_bytes[dim] = max(comm_bytes.get(dim, 0), total)
+    pipeline = {}
+    if plan.dims.pp > 1:
+        p, n = plan.dims.pp, plan.n_microbatches
+        pipeline = {
+            "pipeline": {
+                "stages": p,
+                "schedule": plan.cfg.pp_schedule,
+                "n_microbatches": n,
+                "microbatch": plan.micro_batch // n,
+                "bubble_fraction": (p - 1) / (n + p - 1),
+            }
+        }
     return {
         "label": label(plan.cfg, plan.dims),
         "mesh": dict(plan.dims.named_dims()),
@@ -47,12 +63,13 @@ def summarize(plan: RunPlan, hw: Hardware) -> dict:
         "micro_batch": plan.micro_batch,
         "peak_bytes_per_rank": worst["memory"]["peak_bytes"],
         "reserved_bytes_per_rank": worst["memory"]["reserved_bytes_estimate"],
-        "state_bytes_per_rank": worst["state_bytes"],
+        "state_bytes_per_rank": max(r["state_bytes"] for r in roles),
         "comm_bytes_per_step": comm_bytes,
         "step_s": max(r["time"]["step_s"] for r in roles),
         "tokens_per_s_per_gpu": min(r["tokens_per_s_per_gpu"] for r in roles),
         "mfu": min(r["mfu"] for r in roles),
         "fits": all(r["fits"] for r in roles),
+        **pipeline,
         "roles": roles,
     }
 
@@ -139,9 +156,21 @@ def format_report(r: dict) -> str:
         + " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
         + f", batch {r['micro_batch']}/rank (global {r['global_batch']}), AC {r['activation_checkpointing']}",
     ]
+    if "pipeline" in r:
+        p = r["pipeline"]
+        lines.append(
+            f"pipeline: {p['stages']} stages, {p['schedule']}, {p['n_microbatches']} micro-batches "
+            f"of {p['microbatch']}, bubble {p['bubble_fraction']:.0%} of compute + bubble"
+        )
     for role in r["roles"]:
         mem = role["memory"]
-        lines.append(f"rank role {role['rank']} (every rank alike):")
+        if "stage" in role:
+            lines.append(
+                f"rank role {role['rank']}: pipeline stage {role['stage']} "
+                f"[{', '.join(role['modules'])}] (every rank of the stage alike):"
+            )
+        else:
+            lines.append(f"rank role {role['rank']} (every rank alike):")
         lines.append("  memory (tracked tensors, at the step's peak):")
         for key in ("params", "grads", "optimizer_state", "unsharded_params", "unsharded_grads",
                     "activations", "temporaries", "all_gather", "reduce_scatter", "inputs"):  # fmt: skip
@@ -173,6 +202,12 @@ def format_report(r: dict) -> str:
             f"{r['efficiency']:.0%} of {gpu['bf16_tflops']:g} TFLOP/s + exposed FSDP comm "
             f"{t['exposed_fsdp_comm_s'] * 1e3:,.1f} ms + TP comm {t['tp_comm_s'] * 1e3:,.1f} ms "
             f"+ optimizer {t['optimizer_s'] * 1e3:,.1f} ms"
+            + (
+                f" + pipeline bubble {t['pipeline_bubble_s'] * 1e3:,.1f} ms + PP comm "
+                f"{t['pp_comm_s'] * 1e3:,.1f} ms"
+                if "stage" in role
+                else ""
+            )
         )
         lines.append(
             f"  {role['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU {role['mfu']:.1%}"

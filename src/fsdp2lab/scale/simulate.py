@@ -13,6 +13,16 @@ The model is the run plan's meta model, parallelised by the same strategy code a
 * every collective's bytes by mesh dimension (a dispatch mode over the c10d ops);
 * FLOPs (``torch.utils.flop_counter``'s formulas), forward and all.
 
+Under ``--pp`` each pipeline stage is a rank role of its own (:func:`stage_ranks`): the rank's
+stage is cut by the real ``pp.stage_module`` and parallelised as ``train`` does, and its step is
+the real :class:`fsdp2lab.parallel.pp.Pipeline` ``train_step`` running torch's GPipe or 1F1B
+schedule. The fake process group's point-to-point sends and receives return at once, so one
+stage runs its whole schedule alone: micro-batch forwards and backwards in the schedule's order,
+a received activation (or gradient) being a fresh fake tensor of the stage's input (output)
+shape. The schedule's stage is built with those shapes given (:func:`stage_shapes`, the meta
+model's stages run in turn) instead of inferring them from its neighbours as a real run does.
+The bytes sent and received are counted on the ``pp`` mesh dimension.
+
 Tensors are fake CPU tensors: the machine needs no GPU, and the fake process group runs FSDP2's
 CPU path (no CUDA streams). Attention through ``scaled_dot_product_attention`` takes the CPU
 flash kernel, which saves what the CUDA flash kernel saves (output and log-sum-exp), so its
@@ -25,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -82,6 +93,8 @@ class RoleRun:
     forward_flops: int  # of which in forward passes (no recomputation)
     # mesh dimension -> collective -> totals per optimizer step
     comm: dict[str, dict[str, Collective]] = field(default_factory=dict)
+    stage: int | None = None  # --pp: this rank's pipeline stage
+    modules: tuple[str, ...] = ()  # --pp: the stage's modules
 
     @property
     def state_bytes(self) -> int:
@@ -97,6 +110,8 @@ _COLLECTIVES = {
     "reduce_scatter_tensor_coalesced_": "reduce_scatter",
     "allreduce_": "all_reduce",
     "allreduce_coalesced_": "all_reduce",
+    "send": "send",  # pipeline stages: activations forward, their gradients backward
+    "recv_": "recv",
 }
 # Functional collectives (``_c10d_functional``: DTensor's, so tensor parallelism's): the op's
 # input, the group's name last.
@@ -165,8 +180,11 @@ class StepCounter(TorchDispatchMode):
         entry = self.comm[self.group_dims.get(group.group_name, "other")][kind]
         entry.calls += 1
         entry.tensor_bytes += nbytes
-        factor = 2 if kind == "all_reduce" else 1
-        entry.wire_bytes += factor * nbytes * (size - 1) // size
+        if kind in ("send", "recv"):  # point to point: the tensor itself
+            entry.wire_bytes += nbytes
+        else:
+            factor = 2 if kind == "all_reduce" else 1
+            entry.wire_bytes += factor * nbytes * (size - 1) // size
 
 
 def _nbytes(value) -> int:
@@ -185,8 +203,10 @@ def check_supported(plan: RunPlan) -> None:
         raise UsageError(
             f"fsdp2lab plan models --strategy fsdp2 (with HSDP and --tp), not {cfg.strategy}"
         )
-    if plan.dims.pp > 1:
-        raise UsageError("fsdp2lab plan does not model --pp yet (its stages' roles differ)")
+    if plan.dims.pp > 1 and plan.dims.tp > 1:
+        # The shapes a stage sends are then its TP-sharded outputs', which stage_shapes (the
+        # unparallelised meta model) does not give.
+        raise UsageError("fsdp2lab plan does not model --pp with --tp yet; plan each alone")
     if cfg.mixed_precision == "fp16":
         raise UsageError(
             "fsdp2lab plan does not model --mixed-precision fp16 (its loss scaler); use bf16"
@@ -212,12 +232,20 @@ def _loss(plan: RunPlan, output, target) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
 
 
-def train_step(plan: RunPlan, model, optimizer, batches, before_forward=None) -> None:
-    """One optimizer step over ``grad_accum_steps`` micro-batches, as the trainer runs it."""
+def train_step(
+    plan: RunPlan, model, optimizer, batches, before_forward=None, pipeline=None
+) -> None:
+    """One optimizer step over ``grad_accum_steps`` micro-batches, as the trainer runs it
+    (through ``pipeline``, a :class:`fsdp2lab.parallel.pp.Pipeline`, under ``--pp``)."""
     optimizer.zero_grad(set_to_none=True)
     k = plan.cfg.grad_accum_steps
     for micro in range(k):
         x, y = batches()
+        if pipeline is not None:
+            pipeline.train_step(
+                x, y, lambda out, target: _loss(plan, out, target) / k, finalize=micro == k - 1
+            )
+            continue
         if before_forward is not None:
             before_forward()
         with plan.strategy.sync_context(model, micro == k - 1):
@@ -249,11 +277,12 @@ def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         group["lr"] = lr
 
 
-def track(plan: RunPlan, model, optimizer, batches, counters=()):
+def track(plan: RunPlan, model, optimizer, batches, counters=(), pipeline=None):
     """A steady optimizer step (the optimizer state made first) under the memory tracker and
     ``counters`` (dispatch modes); returns (peak bytes, peak by category). The tracker is
     entered before the first forward: FSDP2 resizes its gathered parameters' storages in
-    place, and one made before the tracker saw it would count as a temporary never freed."""
+    place, and one made before the tracker saw it would count as a temporary never freed.
+    ``pipeline``: the step runs through it (``--pp``)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     create_optimizer_state(optimizer)
@@ -263,8 +292,16 @@ def track(plan: RunPlan, model, optimizer, batches, counters=()):
     with tracker, contextlib.ExitStack() as stack:
         for counter in counters:
             stack.enter_context(counter)
-        # The tracker's per-module statistics hold one forward each; its peak is kept.
-        train_step(plan, model, optimizer, batches, tracker.reset_mod_stats)
+        # The tracker's per-module statistics hold one forward each; its peak is kept. A
+        # pipeline's forwards follow each other before their backwards: the statistics are reset
+        # before each micro-batch's forward, by a hook put first once the tracker (which
+        # re-registers FSDP's own hooks first on entry) is in.
+        if pipeline is not None:
+            handle = model.register_forward_pre_hook(
+                lambda module, args: tracker.reset_mod_stats(), prepend=True
+            )
+            stack.callback(handle.remove)
+        train_step(plan, model, optimizer, batches, tracker.reset_mod_stats, pipeline)
     peak = tracker.get_tracker_snapshot("peak")
     snapshot = next(iter(peak.values())) if peak else {}
     by_category = {
@@ -275,12 +312,76 @@ def track(plan: RunPlan, model, optimizer, batches, counters=()):
     return int(snapshot.get("Total", 0)), by_category
 
 
+def stage_ranks(plan: RunPlan) -> list[int]:
+    """One rank of each distinct role: rank 0 without ``--pp``; with it, the first rank of each
+    stage (``pp`` is the outermost mesh dimension, so rank r is at stage r // (world / pp))."""
+    per_stage = plan.world_size // plan.dims.pp
+    return [s * per_stage for s in range(plan.dims.pp)]
+
+
+def stage_shapes(plan: RunPlan, micro_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each pipeline stage's (input, output) for a micro-batch of ``micro_batch`` samples, as
+    meta tensors: the meta model cut into its stages (``pp.remove_modules``, as
+    ``pp.stage_module`` cuts it) and run in turn, in the parameters' compute dtype (mixed
+    precision)."""
+    from fsdp2lab.parallel import pp
+    from fsdp2lab.plan import sample_input
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.cfg.mixed_precision)
+    x = sample_input(plan.spec, plan.cfg, micro_batch)
+    out = []
+    with torch.no_grad():
+        for i in range(len(plan.stages)):
+            stage = copy.deepcopy(plan.meta_model)
+            pp.remove_modules(stage, [n for j, g in enumerate(plan.stages) if j != i for n in g])
+            if dtype is not None:
+                stage.to(dtype)
+                if x.is_floating_point():
+                    x = x.to(dtype)
+            y = stage(x)
+            out.append((x, y))
+            x = y
+    return out
+
+
+def static_pipeline(plan: RunPlan, model, mesh, device, batch: torch.Tensor, shapes):
+    """The trainer's :class:`Pipeline` for this rank's stage, its schedule for ``batch`` made
+    with the stages' shapes given (``shapes``: :func:`stage_shapes`), so it sends no metadata."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from fsdp2lab.parallel.pp import Pipeline
+    from fsdp2lab.runtime.torch_compat import fix_stage_handshake
+
+    pipeline = Pipeline(model, mesh, device, plan.n_microbatches, plan.cfg.pp_schedule)
+    i = pipeline.stage_index
+    x, y = shapes[i]
+    x, y = torch.empty_like(x, device=device), torch.empty_like(y, device=device)
+    stage = fix_stage_handshake(
+        PipelineStage(
+            model,
+            i,
+            pipeline.num_stages,
+            device,
+            input_args=(x,),
+            output_args=(y,),
+            output_grads=(None if pipeline.is_last else y,),
+            input_grads=(None if pipeline.is_first else x,),
+            group=pipeline.group,
+        )
+    )
+    cls = Schedule1F1B if plan.cfg.pp_schedule == "1f1b" else ScheduleGPipe
+    schedule = cls(stage, plan.n_microbatches, loss_fn=pipeline._loss)
+    pipeline._schedules[(tuple(batch.shape), True)] = (schedule, stage)
+    return pipeline
+
+
 def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun:
     """Rank ``rank`` of ``plan``: its memory, state, FLOPs and collectives over a steady step.
 
     Makes the optimizer state from zero gradients, then runs one optimizer step under the
     memory tracker, counting its FLOPs and collectives. ``device_type`` is the device the plan is for (its
-    default sharding units); ``"cpu"`` to compare with a run on CPU ranks.
+    default sharding units); ``"cpu"`` to compare with a run on CPU ranks. Under ``--pp``,
+    ``rank``'s stage (:func:`stage_ranks`: one rank per stage).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -289,12 +390,15 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
     if dist.is_initialized():
         raise RuntimeError("simulate() needs a process without a process group")
     plan = _sim_plan(plan, device_type)
+    shapes = stage_shapes(plan, plan.micro_batch // plan.n_microbatches) if plan.stages else []
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.world_size)
     try:
         mesh = build_mesh(plan.dims, "cpu")
         device = torch.device("cpu")
-        # Parallelised on the meta device, as the trainer does; then fake memory for it.
-        model = plan.strategy.parallelize(copy.deepcopy(plan.meta_model), plan, mesh, device)
+        # Parallelised on the meta device, as the trainer does; then fake memory for it. (The
+        # pipeline's log of its stages is the trainer's, not the plan's: the plan lists them.)
+        with _quiet("fsdp2lab.parallel.pp"):
+            model = plan.strategy.parallelize(copy.deepcopy(plan.meta_model), plan, mesh, device)
         with FakeTensorMode(allow_non_fake_inputs=True):
             to_empty(model, device)
             optimizer = _unfused(build_optimizer(model.parameters(), plan.cfg))
@@ -302,13 +406,19 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
             def batches():
                 return _batch(plan)
 
+            pipeline = None
+            if plan.dims.pp > 1:
+                pipeline = static_pipeline(plan, model, mesh, device, batches()[0], shapes)
             counter = StepCounter(_group_dims(mesh))
             forward = _ForwardFlops(counter)
             counters = (counter, forward.installed(model))
-            peak, by_category = track(plan, model, optimizer, batches, counters)
+            peak, by_category = track(plan, model, optimizer, batches, counters, pipeline)
             state = state_bytes(model, optimizer)
+        stage = pipeline.stage_index if pipeline is not None else None
         return RoleRun(
             rank=rank,
+            stage=stage,
+            modules=plan.stages[stage] if stage is not None else (),
             peak_bytes=peak,
             peak_by_category=by_category,
             state=state,
@@ -318,6 +428,18 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
         )
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _quiet(logger: str):
+    """The logger ``logger`` at warnings and up for the duration."""
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _unfused(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
