@@ -1,7 +1,8 @@
 """``--model hf:PATH``: a pretrained Hugging Face folder built on meta, its weights read into the
 sharded parameters. Loading is exact (``--max-steps 0 --save-model`` gives the folder's tensors
-bit for bit on 1, 2 and 4 ranks; the first loss is transformers' own), sharded training matches
-one process, and bad folders are one line and exit code 2 before any worker starts.
+bit for bit on 1, 2 and 4 ranks, pipeline stages included; the first loss is transformers' own),
+sharded, tensor- and pipeline-parallel training matches one process, and bad folders are one line
+and exit code 2 before any worker starts.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     where = tmp_path_factory.mktemp("hf_models")
     return {
         "llama": save_llama(where / "llama", tied=True),
+        "llama-untied": save_llama(where / "llama-untied", tied=False),
         "qwen2": save_qwen2_bf16(where / "qwen2"),
     }
 
@@ -82,6 +84,8 @@ def folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
         ("qwen2", 2, ["--fsdp-units", "layer", "--mixed-precision", "bf16"]),
         ("qwen2", 2, ["--tp", "2"]),
         ("qwen2", 4, ["--tp", "2", "--fsdp-units", "layer"]),
+        ("llama-untied", 2, ["--pp", "2"]),
+        ("qwen2", 4, ["--pp", "2", "--tp", "2"]),
     ],
     ids=[
         "llama-single",
@@ -91,6 +95,8 @@ def folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
         "qwen2-bf16-fsdp2-2-mixed-precision-bf16",
         "qwen2-tp2",
         "qwen2-fsdp2-tp-2x2",
+        "llama-untied-pp2",
+        "qwen2-pp-tp-2x2",
     ],  # fmt: skip
 )
 def test_max_steps_0_saves_the_folders_tensors_bit_for_bit(folders, tmp_path, model, ranks, flags):
@@ -107,7 +113,7 @@ def test_max_steps_0_saves_the_folders_tensors_bit_for_bit(folders, tmp_path, mo
     if model == "llama":  # tied: the head is the embedding (not in the files)
         assert "lm_head.weight" not in expected
         assert torch.equal(saved["lm_head.weight"], saved["model.embed_tokens.weight"])
-    else:  # bf16 files: the values are bf16 values, exactly
+    elif model == "qwen2":  # bf16 files: the values are bf16 values, exactly
         assert all(torch.equal(saved[k], saved[k].bfloat16().float()) for k in expected)
 
 
@@ -187,8 +193,102 @@ def test_tp_plans_fsdp2lab_cannot_follow_are_refused(folders, tmp_path):
         resolve(TrainConfig(model=f"hf:{tmp_path / 'qwen3'}", seq_len=SEQ, tp=2), 2)
     with pytest.raises(UsageError, match=r"--tp 3 must divide .* num_attention_heads 4"):
         resolve(TrainConfig(model=f"hf:{folders['qwen2']}", seq_len=SEQ, tp=3), 3)
-    with pytest.raises(UsageError, match=r"declares no pipeline .*so --pp cannot split it"):
-        resolve(TrainConfig(model=f"hf:{folders['qwen2']}", seq_len=SEQ, pp=2), 2)
+
+
+def test_pipeline_fine_tuning_matches_one_process_at_every_step(folders, tmp_path):
+    model = ["--model", f"hf:{folders['llama-untied']}"]
+    single = train(tmp_path, *model, *FIT, "--strategy", "single", name="single")
+    reference = single.step_losses
+    assert len(reference) == STEPS and reference[-1] < reference[0] - 0.5, reference
+    pp = train(tmp_path, *model, *FIT, "--nproc-per-node", "2", "--pp", "2", "--pp-schedule",
+               "1f1b", name="pp")  # fmt: skip
+    assert "stage 0 [model.embed_tokens, model.layers.0]; stage 1 [model.layers.1, model.norm, " \
+           "lm_head]" in pp.stderr + pp.stdout  # fmt: skip
+    assert_close_lists(pp.step_losses, reference, 1e-5)
+    pp_fsdp2 = train(tmp_path, *model, *FIT, "--nproc-per-node", "4", "--pp", "2",
+                     "--fsdp-units", "layer", name="pp-fsdp2")  # fmt: skip
+    assert pp_fsdp2.summary["mesh"]["names"] == ["pp", "dp_shard"]
+    assert_close_lists(pp_fsdp2.step_losses, reference, 1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2-sliding"])
+def test_pipeline_stages_run_in_order_are_the_models_forward(kind):
+    """Every split of a 4-layer model; Qwen2 with sliding-window attention on layers 2 and 3
+    (``config.layer_types``): a later stage's layers keep their own attention masks."""
+    import copy
+
+    from fsdp2lab.models import hf
+    from fsdp2lab.models.spec import ModelSpec, infer_units
+    from fsdp2lab.parallel import pp
+
+    torch.manual_seed(0)
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, tie_word_embeddings=False)  # fmt: skip
+    if kind == "llama":
+        config = transformers.LlamaConfig(vocab_size=300, **sizes)
+    else:
+        config = transformers.Qwen2Config(vocab_size=256, use_sliding_window=True,
+                                          sliding_window=4, max_window_layers=2, **sizes)  # fmt: skip
+        assert config.layer_types == ["full_attention"] * 2 + ["sliding_attention"] * 2
+    model = hf.build_from_config(config).eval()
+    spec = ModelSpec(name=kind, build=None, task="lm", input_shape=None, datasets=(),
+                     default_dataset="synthetic", pipeline=hf.pipeline,
+                     pipeline_stage=hf.pipeline_stage)  # fmt: skip
+    x = torch.randint(0, config.vocab_size, (3, SEQ))
+    with torch.no_grad():
+        expected = model(x).logits
+    units = tuple(infer_units(model))
+    for n in range(2, 5):
+        stages = pp.split(spec, model, units, n)
+        y, names = x, []
+        for i in range(n):
+            stage = pp.make_stage(spec, copy.deepcopy(model), stages, i)
+            names += [name for name, _ in stage.named_parameters()]
+            with torch.no_grad():
+                y = stage(y)
+            assert y.shape[-1] == (config.vocab_size if i == n - 1 else config.hidden_size)
+        assert names == [name for name, _ in model.named_parameters()]  # same FQNs, each once
+        torch.testing.assert_close(y, expected, rtol=0, atol=0)
+
+
+def save_granite(folder: Path) -> Path:
+    """Granite: its base model multiplies the embeddings by ``embedding_multiplier``, also when
+    given ``inputs_embeds`` (a later stage would multiply them again)."""
+    torch.manual_seed(2)
+    config = transformers.GraniteConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    transformers.GraniteForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def test_pipeline_refusals_are_one_line_and_exit_2(folders, tmp_path):
+    """A head tied to the embedding (stages 0 and 1 would each hold the weight, and nothing would
+    sum its two gradients), and a model type whose base forward is not checked to run a later
+    stage unchanged: one line from the launcher, no worker started."""
+    tied = (
+        f"fsdp2lab: error: --pp: model 'hf:{folders['llama']}' ties lm_head.weight to "
+        "model.embed_tokens.weight (one parameter), which would be split between stages 0 and 1 "
+        "with nothing to sum its gradients; use a model without tied weights "
+        "(tie_word_embeddings false)\n"
+    )
+    granite = (
+        "fsdp2lab: error: --pp: fsdp2lab splits Hugging Face models of type llama, mistral, "
+        "qwen2, qwen3 into pipeline stages, not 'granite' (a later stage runs the base model's "
+        "forward on hidden states, checked to be the model's own for these types only)\n"
+    )
+    for folder, message in (
+        (folders["llama"], tied),
+        (save_granite(tmp_path / "granite"), granite),
+    ):
+        proc = run_cli(["train", "--model", f"hf:{folder}", "--nproc-per-node", "2", "--pp", "2",
+                        *COMMON], cwd=tmp_path)  # fmt: skip
+        assert (proc.returncode, proc.stderr) == (2, message), proc.stderr
+    untied = f"hf:{folders['llama-untied']}"
+    with pytest.raises(UsageError, match=r"^--strategy model-parallel: model .* is split only "
+                                         r"into pipeline stages \(--pp with --strategy fsdp2\)$"):  # fmt: skip
+        resolve(TrainConfig(model=untied, seq_len=SEQ, strategy="model-parallel"), 1)
 
 
 def test_a_config_only_folder_builds_the_model_with_the_seeded_init(folders, tmp_path):

@@ -111,6 +111,11 @@ def resolve(cfg: TrainConfig, world_size: int, device_type: str | None = None) -
         pp.check(cfg, dims, micro_batch, n_microbatches)
         stages = pp.split(spec, model, units, dims.pp, "--pp")
     elif cfg.strategy == "model-parallel":
+        if spec.pipeline_stage is not None:
+            raise UsageError(
+                f"--strategy model-parallel: model {spec.name!r} is split only into pipeline "
+                "stages (--pp with --strategy fsdp2)"
+            )
         n_groups = model_parallel.group_count(cfg.device, len(units))
         stages = pp.split(spec, model, units, n_groups, "--strategy model-parallel")
 

@@ -9,7 +9,8 @@ A folder without safetensors files is trained from scratch with the seeded init.
 
 Dense causal language models whose checkpoint keys map one to one onto their modules (Llama,
 Mistral, Qwen2/3, Gemma and the like) are supported; a model that needs remote code or
-transformers' key conversion (fused MoE experts) is refused with one line.
+transformers' key conversion (fused MoE experts) is refused with one line. ``--pp`` splits Llama,
+Mistral and Qwen2/3 (:func:`pipeline`, :func:`pipeline_stage`) and refuses the others.
 """
 
 from __future__ import annotations
@@ -127,11 +128,85 @@ def spec(reference: str, cfg) -> ModelSpec:
         units=infer_units,
         tp_plan=tp_plan if getattr(config, "base_model_tp_plan", None) else None,
         tp_sizes=tp_sizes,
+        pipeline=pipeline,
+        pipeline_stage=pipeline_stage,
         real_buffers=True,
         fixed={"vocab_size": config.vocab_size},
         load_weights=None if index is None else index.load,
         source=str(folder),
     )
+
+
+# ---------------------------------------------------------------------------- pipeline stages
+# Model types whose base model's forward, given ``inputs_embeds`` (a later stage's input, the
+# hidden states), only runs the decoder layers and the final norm: nothing scales or changes the
+# embeddings outside the embedding module (Granite multiplies them, older Gemmas scale them).
+PIPELINE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def pipeline(model: nn.Module) -> list[str]:
+    """The modules in forward order: the embedding, each decoder layer, the final norm, the head
+    (the rotary embedding has no parameters: every stage keeps it). A model type not in
+    :data:`PIPELINE_TYPES` is refused."""
+    kind = getattr(model.config, "model_type", None)
+    if kind not in PIPELINE_TYPES:
+        raise UsageError(
+            f"--pp: fsdp2lab splits Hugging Face models of type {', '.join(PIPELINE_TYPES)} into "
+            f"pipeline stages, not {kind!r} (a later stage runs the base model's forward on "
+            "hidden states, checked to be the model's own for these types only)"
+        )
+    prefix = model.base_model_prefix
+    layers = [f"{prefix}.layers.{i}" for i in model.base_model.layers._modules]
+    return [f"{prefix}.embed_tokens", *layers, f"{prefix}.norm", "lm_head"]
+
+
+def _skip(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """A decoder layer another stage holds: its input passes through."""
+    return hidden_states
+
+
+class StageLayers(nn.ModuleList):
+    """A stage's decoder layers seen at their places in the whole model, another stage's layer
+    as :func:`_skip`: the base model's ``for i, layer in enumerate(self.layers[:n])`` gives each
+    layer its own index (``config.layer_types[i]``: its attention mask), and the names of the
+    held layers (``model.layers.5``) are unchanged."""
+
+    n_layers: int
+
+    def _places(self) -> list:
+        return [self._modules.get(str(i), _skip) for i in range(self.n_layers)]
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self._places()[index]
+
+    def __iter__(self):
+        return iter(self._places())
+
+    def __len__(self) -> int:
+        return self.n_layers
+
+
+def pipeline_stage(model: nn.Module) -> None:
+    """Make ``model`` (a causal LM with other stages' modules removed) run as one stage: token
+    ids in on the first stage, hidden states on the others; hidden states out, except on the last
+    stage: the logits of the model's own forward (with its head's scaling or soft-capping)."""
+    import types
+
+    base = model.base_model
+    first, last = base.embed_tokens is not None, model.get_output_embeddings() is not None
+    if base.norm is None:
+        base.norm = nn.Identity()  # the last stage's: hidden states leave the others unnormalised
+    base.layers.n_layers = model.config.num_hidden_layers
+    base.layers.__class__ = StageLayers
+    causal_lm_forward = type(model).forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inputs = {"input_ids" if first else "inputs_embeds": x, "use_cache": False}
+        if last:
+            return causal_lm_forward(self, **inputs).logits
+        return self.base_model(**inputs).last_hidden_state
+
+    model.forward = types.MethodType(forward, model)
 
 
 # ---------------------------------------------------------------------------- tensor parallelism
@@ -175,7 +250,7 @@ def tp_plan(model: nn.Module) -> dict:
             f"which fsdp2lab does not map (it maps: {', '.join(styles)})"
         )
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    if head is not None and head.weight is embedding.weight:
+    if head is not None and embedding is not None and head.weight is embedding.weight:
         sharded = [n for n, m in model.named_modules() if m in (head, embedding) and n in plan]
         if sharded:
             raise UsageError(

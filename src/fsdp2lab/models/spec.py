@@ -9,6 +9,9 @@ Every plan is written in module names (FQNs), never as code that re-runs the mod
 * ``pipeline``: the modules in forward order. A pipeline stage is the model with the modules of
   the other stages removed (``None``, or deleted from their container), so the model's forward must
   skip a module that is ``None``, and iterate its containers (``for block in self.blocks``).
+  A model whose forward does not (a Hugging Face model) gives ``pipeline_stage``: called on a stage
+  after the other stages' modules were removed, it makes the stage run as one (its input the
+  previous stage's output, its output the next stage's input; the last stage's the model's).
 
 A model that gives no ``units`` gets them inferred (:func:`infer_units`); one without a TP plan or a
 pipeline cannot use ``--tp`` or ``--pp``.
@@ -77,6 +80,9 @@ class ModelSpec:
     tp_plan: Callable[[nn.Module], dict[str, Any]] | None = None
     tp_sizes: Callable[[nn.Module], dict[str, int]] = no_sizes
     pipeline: Callable[[nn.Module], list[str]] | None = None
+    # (a pipeline stage: the model with the other stages' modules removed) -> None: makes it run
+    # as one stage, in place, parameter names unchanged. None: the model's forward already does.
+    pipeline_stage: Callable[[nn.Module], None] | None = None
     num_classes: int | None = None  # classifiers: output width
     loss: Callable[[Any, Any], Any] | None = None  # (output, target) -> mean; None: cross-entropy
     # Build with parameters on meta but buffers real (models whose buffers no init can rebuild).

@@ -2,9 +2,11 @@
 
 A model lists its modules in forward order (``ModelSpec.pipeline``, by name). A split gives every
 stage a run of them with an even share of the sharding units; a stage is the model itself with the
-other stages' modules removed, which its forward skips. So parameter FQNs (and DCP checkpoints) are
-the same as unsplit, and no forward is written twice. ``--strategy model-parallel`` places the same
-runs on the devices of one process.
+other stages' modules removed, which its forward skips (or which the model's
+``ModelSpec.pipeline_stage`` hook makes it skip: a Hugging Face model's). So parameter FQNs (and
+DCP checkpoints) are the same as unsplit, and no forward is written twice. A parameter that two
+stages would share (tied weights) is refused. ``--strategy model-parallel`` places the same runs on
+the devices of one process.
 
 Under ``--pp P`` this rank's stage is then tensor-parallelised (``--tp``) and sharded with FSDP2 over
 the data-parallel ranks of its stage. :class:`Pipeline` runs it with ``torch.distributed.pipelining``:
@@ -56,6 +58,8 @@ def split(
 
     Modules that hold no unit (embeddings, the LM head) go with their neighbouring unit: those
     before the first unit to the first group, the others to the group of the unit before them.
+    A parameter shared by modules of two groups (a head tied to the embedding) is refused: each
+    group would hold a copy, and nothing would sum their gradients.
     """
     names = pipeline_of(spec, model, what)
     is_unit = [any(u == n or u.startswith(f"{n}.") for u in units) for n in names]
@@ -73,7 +77,25 @@ def split(
             group = max(g for g in range(groups) if bounds[g] <= seen)
             seen += 1
         out[group].append(name)
-    return tuple(tuple(g) for g in out)
+    groups_out = tuple(tuple(g) for g in out)
+    _check_shared(spec, model, groups_out, what)
+    return groups_out
+
+
+def _check_shared(
+    spec: ModelSpec, model: nn.Module, groups: tuple[tuple[str, ...], ...], what: str
+) -> None:
+    """UsageError if one parameter lies in modules of two groups (tied weights)."""
+    where: dict[int, tuple[int, str]] = {}  # id(parameter) -> (group, its first name)
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        group = next(i for i, g in enumerate(groups) if any(fqn.startswith(f"{n}.") for n in g))
+        first = where.setdefault(id(param), (group, fqn))
+        if first[0] != group:
+            raise UsageError(
+                f"{what}: model {spec.name!r} ties {fqn} to {first[1]} (one parameter), which "
+                f"would be split between stages {first[0]} and {group} with nothing to sum its "
+                "gradients; use a model without tied weights (tie_word_embeddings false)"
+            )
 
 
 def describe(group: tuple[str, ...]) -> str:
@@ -118,15 +140,25 @@ def check(cfg: TrainConfig, dims: ParallelDims, micro_batch: int, n: int) -> Non
         )
 
 
+def make_stage(
+    spec: ModelSpec, model: nn.Module, stages: tuple[tuple[str, ...], ...], index: int
+) -> nn.Module:
+    """Stage ``index`` of ``model``, in place: the other stages' modules removed, then the
+    model's ``pipeline_stage`` hook (if any) applied."""
+    remove_modules(model, [n for i, g in enumerate(stages) if i != index for n in g])
+    if spec.pipeline_stage is not None:
+        spec.pipeline_stage(model)
+    return model
+
+
 def stage_module(
-    model: nn.Module, stages: tuple[tuple[str, ...], ...], pp_mesh: DeviceMesh
+    spec: ModelSpec, model: nn.Module, stages: tuple[tuple[str, ...], ...], pp_mesh: DeviceMesh
 ) -> nn.Module:
     """This rank's stage of ``model`` (on the meta device, not yet parallelised), in place."""
     if dist.get_rank() == 0:
         stages_text = "; ".join(f"stage {i} {describe(g)}" for i, g in enumerate(stages))
         log.info(f"fsdp2lab: pipeline: {stages_text}")
-    mine = pp_mesh.get_local_rank()
-    remove_modules(model, [n for i, g in enumerate(stages) if i != mine for n in g])
+    make_stage(spec, model, stages, pp_mesh.get_local_rank())
     setattr(model, _PP_GROUP, pp_mesh.get_group())
     return model
 

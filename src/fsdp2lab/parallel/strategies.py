@@ -77,7 +77,7 @@ def _fsdp2(model: nn.Module, plan: RunPlan, mesh: DeviceMesh, device: torch.devi
     """
     cfg = plan.cfg
     if plan.dims.pp > 1:
-        model = pp.stage_module(model, plan.stages, mesh["pp"])
+        model = pp.stage_module(plan.spec, model, plan.stages, mesh["pp"])
     if plan.dims.tp > 1:
         model = tp.apply_tp(model, plan.spec, mesh["tp"])
     _checkpoint_and_compile(model, plan, device)
