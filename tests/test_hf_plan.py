@@ -71,3 +71,19 @@ def test_attention_memory_is_linear_in_the_sequence(tmp_path):
 
     short, long = activations(2048), activations(4096)
     assert 1.8 * short <= long <= 2.3 * short, (short, long)
+
+
+def test_pipeline_stages_are_rank_roles(tmp_path):
+    """--pp 2 on a config-only folder: two roles, cut by the hf model's own pipeline (embedding on
+    the first stage, the head on the last), each with its own sharded state."""
+    folder = config_folder(tmp_path / "small", hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                           vocab_size=256, max_position_embeddings=512,
+                           tie_word_embeddings=False)  # fmt: skip
+    r = plan_json(folder, "--seq-len", "64", "--batch-size", "4", "--world-size", "4", "--pp", "2")
+    first, last = r["roles"]
+    assert (first["stage"], last["stage"]) == (0, 1)
+    assert first["modules"][0] == "model.embed_tokens" and "lm_head" not in first["modules"]
+    assert last["modules"][-1] == "lm_head" and "model.embed_tokens" not in last["modules"]
+    assert first["state_bytes"] != last["state_bytes"]
+    assert r["comm_bytes_per_step"]["pp"] > 0

@@ -196,8 +196,9 @@ class Pipeline:
         self._loss_fn: Callable | None = None
         self._schedules: dict[tuple, tuple[object, object]] = {}  # (schedule, stage)
 
-    def _schedule(self, shape: torch.Size, train: bool):
-        """The schedule for batches of ``shape`` and its stage."""
+    def _schedule(self, shape: torch.Size, train: bool, shapes: dict | None = None):
+        """The schedule for batches of ``shape`` and its stage. ``shapes``: the stage's
+        ``input_args``/``output_args``/... given, instead of inferred from its neighbours."""
         # Imported here, not at the top: it costs every launcher and every rank without --pp
         # most of a second (it brings in torch._dynamo).
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -206,7 +207,12 @@ class Pipeline:
         if key not in self._schedules:
             stage = fix_stage_handshake(
                 PipelineStage(
-                    self.module, self.stage_index, self.num_stages, self.device, group=self.group
+                    self.module,
+                    self.stage_index,
+                    self.num_stages,
+                    self.device,
+                    group=self.group,
+                    **(shapes or {}),
                 )
             )
             if train:
@@ -216,6 +222,18 @@ class Pipeline:
                 schedule = ScheduleGPipe(stage, math.gcd(shape[0], self.n_microbatches))
             self._schedules[key] = (schedule, stage)
         return self._schedules[key]
+
+    def give_shapes(self, batch: torch.Size, received: torch.Tensor, sent: torch.Tensor) -> None:
+        """Make the training schedule for batches of ``batch`` with the tensors this stage
+        receives and sends per micro-batch given (example tensors of their shapes), so that its
+        first step exchanges no shapes with the neighbouring stages (``fsdp2lab plan``)."""
+        shapes = {
+            "input_args": (received,),
+            "output_args": (sent,),
+            "output_grads": (None if self.is_last else sent,),
+            "input_grads": (None if self.is_first else received,),
+        }
+        self._schedule(batch, train=True, shapes=shapes)
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self._loss_fn(output, target)

@@ -321,57 +321,47 @@ def stage_ranks(plan: RunPlan) -> list[int]:
 
 def stage_shapes(plan: RunPlan, micro_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each pipeline stage's (input, output) for a micro-batch of ``micro_batch`` samples, as
-    meta tensors: the meta model cut into its stages (``pp.remove_modules``, as
-    ``pp.stage_module`` cuts it) and run in turn, in the parameters' compute dtype (mixed
-    precision)."""
+    meta tensors: the meta model cut into its stages (``pp.make_stage``, as ``pp.stage_module``
+    cuts it) and run in turn under fake tensor mode (a forward may read a value, which plain meta
+    tensors refuse), in the parameters' compute dtype (mixed precision)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     from fsdp2lab.parallel import pp
     from fsdp2lab.plan import sample_input
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.cfg.mixed_precision)
-    x = sample_input(plan.spec, plan.cfg, micro_batch)
-    out = []
-    with torch.no_grad():
-        for i in range(len(plan.stages)):
-            stage = copy.deepcopy(plan.meta_model)
-            pp.remove_modules(stage, [n for j, g in enumerate(plan.stages) if j != i for n in g])
+    stages = [
+        pp.make_stage(plan.spec, copy.deepcopy(plan.meta_model), plan.stages, i)
+        for i in range(len(plan.stages))
+    ]
+    shapes = []
+    with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+        x = sample_input(plan.spec, plan.cfg, micro_batch)
+        for stage in stages:
             if dtype is not None:
                 stage.to(dtype)
                 if x.is_floating_point():
                     x = x.to(dtype)
             y = stage(x)
-            out.append((x, y))
+            shapes.append(((x.shape, x.dtype), (y.shape, y.dtype)))
             x = y
-    return out
+    return [
+        tuple(torch.empty(shape, dtype=dt, device="meta") for shape, dt in pair) for pair in shapes
+    ]
 
 
 def static_pipeline(plan: RunPlan, model, mesh, device, batch: torch.Tensor, shapes):
     """The trainer's :class:`Pipeline` for this rank's stage, its schedule for ``batch`` made
     with the stages' shapes given (``shapes``: :func:`stage_shapes`), so it sends no metadata."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
     from fsdp2lab.parallel.pp import Pipeline
-    from fsdp2lab.runtime.torch_compat import fix_stage_handshake
 
     pipeline = Pipeline(model, mesh, device, plan.n_microbatches, plan.cfg.pp_schedule)
-    i = pipeline.stage_index
-    x, y = shapes[i]
-    x, y = torch.empty_like(x, device=device), torch.empty_like(y, device=device)
-    stage = fix_stage_handshake(
-        PipelineStage(
-            model,
-            i,
-            pipeline.num_stages,
-            device,
-            input_args=(x,),
-            output_args=(y,),
-            output_grads=(None if pipeline.is_last else y,),
-            input_grads=(None if pipeline.is_first else x,),
-            group=pipeline.group,
-        )
+    received, sent = shapes[pipeline.stage_index]
+    pipeline.give_shapes(
+        batch.shape,
+        torch.empty_like(received, device=device),
+        torch.empty_like(sent, device=device),
     )
-    cls = Schedule1F1B if plan.cfg.pp_schedule == "1f1b" else ScheduleGPipe
-    schedule = cls(stage, plan.n_microbatches, loss_fn=pipeline._loss)
-    pipeline._schedules[(tuple(batch.shape), True)] = (schedule, stage)
     return pipeline
 
 
