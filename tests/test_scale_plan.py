@@ -49,12 +49,11 @@ def measure(world: int, flags: list[str]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-# One unit per layer (the default): the real run's peak is in backward, beside the copy gloo's
-# reduce-scatter makes of a layer's whole gradient (it all-reduces a copy of its input), freed on
-# gloo's thread at a moment that varies from run to run; the fake process group makes no copy.
-GLOO_REDUCE_SCATTER = (
-    "the real peak includes gloo's reduce-scatter copy, freed at varying moments: mlp -9.0% to "
-    "within the bound, cnn -7.1% to -17.0% (plans 1,619,696 and 22,930,976 bytes)"
+# One unit per layer (the default), mlp and cnn: within 10% on a quiet machine (-9.0%, -7.1%),
+# not while other jobs share it (the cnn once at -17.0%); the cause is not traced (docs/scale.md).
+GLOO_PEAK = (
+    "the real peak of the mlp and cnn per layer: -9.0% and -7.1% on a quiet machine, the cnn "
+    "-17.0% under load (plans 1,619,696 and 22,930,976 bytes)"
 )
 CASES = [
     pytest.param(2, GPT, id="gpt-fsdp2-2"),
@@ -73,13 +72,13 @@ CASES = [
         2,
         ["--model", "mlp", "--batch-size", "16", "--optimizer", "adamw"],
         id="mlp-fsdp2-2",
-        marks=[pytest.mark.slow, pytest.mark.xfail(strict=False, reason=GLOO_REDUCE_SCATTER)],
+        marks=[pytest.mark.slow, pytest.mark.xfail(strict=False, reason=GLOO_PEAK)],
     ),  # fmt: skip
     pytest.param(
         2,
         ["--model", "cnn", "--batch-size", "16", "--optimizer", "adam"],
         id="cnn-fsdp2-2",
-        marks=[pytest.mark.slow, pytest.mark.xfail(strict=False, reason=GLOO_REDUCE_SCATTER)],
+        marks=[pytest.mark.slow, pytest.mark.xfail(strict=False, reason=GLOO_PEAK)],
     ),  # fmt: skip
     pytest.param(4, [*USER, "--dp-replicate", "2"], id="user-hsdp-2x2", marks=pytest.mark.slow),
     # --pp: every stage planned (its own rank role) and measured on the real Pipeline
@@ -98,6 +97,7 @@ CASES = [
         id="gpt-pp-2-fsdp2-2-1f1b",
         marks=pytest.mark.slow,
     ),  # fmt: skip
+    pytest.param(4, [*GPT, "--pp", "2", "--tp", "2"], id="gpt-pp-2-tp-2", marks=pytest.mark.slow),
 ]
 
 
@@ -184,9 +184,6 @@ def test_plan_pp_roles():
     assert text.returncode == 0, text.stderr
     assert "rank role 2: pipeline stage 1 [blocks.1, norm, lm_head]" in text.stdout
     assert "pipeline bubble" in text.stdout
-    proc = run_cli(["plan", *GPT, "--world-size", "4", "--pp", "2", "--tp", "2"])
-    assert proc.returncode == 2
-    assert "does not model --pp with --tp yet" in proc.stderr
 
 
 def test_plan_that_does_not_fit_lists_alternatives():

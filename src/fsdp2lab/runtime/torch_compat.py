@@ -125,6 +125,32 @@ def local_shape_and_offset(dtensor: Any) -> tuple[tuple[int, ...], tuple[int, ..
     return tuple(shape), tuple(offset)
 
 
+def clear_dtensor_caches() -> list[str]:
+    """Forget DTensor's sharding-propagation and redistribution caches (this thread's): their
+    entries keep the DeviceMesh they were made with, and with it process groups, so that a later
+    mesh of the same shape, over new process groups, would run collectives on destroyed ones
+    (``fsdp2lab plan`` simulates its rank roles one after another in one process). Returns the
+    caches cleared: their places differ between torch versions."""
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    caches = {
+        "propagate_op_sharding": getattr(propagator.propagate_op_sharding, "cache", None),
+        "propagate_tensor_meta": getattr(propagator, "_propagate_tensor_meta_cached", None),
+        "gen_transform_infos": getattr(_redistribute, "_gen_transform_infos", None),
+    }
+    cleared = []
+    for name, cache in caches.items():
+        if hasattr(cache, "cache_clear"):
+            cache.cache_clear()
+            cleared.append(name)
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if native is not None:  # the C++ dispatch fast path's own cache (newer torch)
+        native()
+        cleared.append("native_sharding_propagator")
+    return cleared
+
+
 # -------------------------------------------------------------------------- DCP readers
 def hf_storage_reader() -> type | None:
     """DCP's ``HuggingFaceStorageReader`` where it reads each rank's slices of a safetensors file

@@ -20,7 +20,8 @@ schedule. The fake process group's point-to-point sends and receives return at o
 stage runs its whole schedule alone: micro-batch forwards and backwards in the schedule's order,
 a received activation (or gradient) being a fresh fake tensor of the stage's input (output)
 shape. The schedule's stage is built with those shapes given (:func:`stage_shapes`, the meta
-model's stages run in turn) instead of inferring them from its neighbours as a real run does.
+model's stages, tensor-parallelised under ``--tp``, run in turn) instead of inferring them from
+its neighbours as a real run does.
 The bytes sent and received are counted on the ``pp`` mesh dimension.
 
 Tensors are fake CPU tensors: the machine needs no GPU, and the fake process group runs FSDP2's
@@ -42,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
@@ -51,6 +53,7 @@ from fsdp2lab.models.spec import logits_of
 from fsdp2lab.parallel.fsdp2 import default_unit_min_params
 from fsdp2lab.plan import RunPlan
 from fsdp2lab.runtime.mesh import build_mesh
+from fsdp2lab.runtime.torch_compat import clear_dtensor_caches
 from fsdp2lab.training.metrics import state_bytes
 from fsdp2lab.training.optim import build_optimizer
 
@@ -203,10 +206,6 @@ def check_supported(plan: RunPlan) -> None:
         raise UsageError(
             f"fsdp2lab plan models --strategy fsdp2 (with HSDP and --tp), not {cfg.strategy}"
         )
-    if plan.dims.pp > 1 and plan.dims.tp > 1:
-        # The shapes a stage sends are then its TP-sharded outputs', which stage_shapes (the
-        # unparallelised meta model) does not give.
-        raise UsageError("fsdp2lab plan does not model --pp with --tp yet; plan each alone")
     if cfg.mixed_precision == "fp16":
         raise UsageError(
             "fsdp2lab plan does not model --mixed-precision fp16 (its loss scaler); use bf16"
@@ -319,14 +318,17 @@ def stage_ranks(plan: RunPlan) -> list[int]:
     return [s * per_stage for s in range(plan.dims.pp)]
 
 
-def stage_shapes(plan: RunPlan, micro_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def stage_shapes(
+    plan: RunPlan, micro_batch: int, tp_mesh=None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each pipeline stage's (input, output) for a micro-batch of ``micro_batch`` samples, as
     meta tensors: the meta model cut into its stages (``pp.make_stage``, as ``pp.stage_module``
     cuts it) and run in turn under fake tensor mode (a forward may read a value, which plain meta
-    tensors refuse), in the parameters' compute dtype (mixed precision)."""
+    tensors refuse), in the parameters' compute dtype (mixed precision); with ``tp_mesh``, each
+    stage tensor-parallelised as ``train`` does it (what it sends is then this rank's shard)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fsdp2lab.parallel import pp
+    from fsdp2lab.parallel import pp, tp
     from fsdp2lab.plan import sample_input
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.cfg.mixed_precision)
@@ -334,6 +336,8 @@ def stage_shapes(plan: RunPlan, micro_batch: int) -> list[tuple[torch.Tensor, to
         pp.make_stage(plan.spec, copy.deepcopy(plan.meta_model), plan.stages, i)
         for i in range(len(plan.stages))
     ]
+    if tp_mesh is not None:
+        stages = [tp.apply_tp(stage, plan.spec, tp_mesh) for stage in stages]
     shapes = []
     with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
         x = sample_input(plan.spec, plan.cfg, micro_batch)
@@ -343,6 +347,7 @@ def stage_shapes(plan: RunPlan, micro_batch: int) -> list[tuple[torch.Tensor, to
                 if x.is_floating_point():
                     x = x.to(dtype)
             y = stage(x)
+            y = y.to_local() if isinstance(y, DTensor) else y
             shapes.append(((x.shape, x.dtype), (y.shape, y.dtype)))
             x = y
     return [
@@ -380,11 +385,13 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
     if dist.is_initialized():
         raise RuntimeError("simulate() needs a process without a process group")
     plan = _sim_plan(plan, device_type)
-    shapes = stage_shapes(plan, plan.micro_batch // plan.n_microbatches) if plan.stages else []
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.world_size)
     try:
         mesh = build_mesh(plan.dims, "cpu")
         device = torch.device("cpu")
+        if plan.dims.pp > 1:
+            tp_mesh = mesh["tp"] if plan.dims.tp > 1 else None
+            shapes = stage_shapes(plan, plan.micro_batch // plan.n_microbatches, tp_mesh)
         # Parallelised on the meta device, as the trainer does; then fake memory for it. (The
         # pipeline's log of its stages is the trainer's, not the plan's: the plan lists them.)
         with _quiet("fsdp2lab.parallel.pp"):
@@ -418,6 +425,7 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
         )
     finally:
         dist.destroy_process_group()
+        clear_dtensor_caches()
 
 
 @contextlib.contextmanager

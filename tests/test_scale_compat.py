@@ -1,0 +1,53 @@
+"""``fsdp2lab plan``'s rank roles simulated one after another in one process, on this torch.
+
+Each role runs over process groups of its own; DTensor caches its sharding decisions with the
+DeviceMesh they were made on, and a new mesh of the same shape compares equal to the old one.
+``torch_compat.clear_dtensor_caches`` forgets them after each role (Python and, on newer torch,
+C++ caches); without it, the second tensor-parallel role runs collectives on the first role's
+destroyed groups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fsdp2lab.cli import build_parser
+from fsdp2lab.config import config_from_args
+from fsdp2lab.plan import resolve
+from fsdp2lab.runtime.torch_compat import clear_dtensor_caches
+from fsdp2lab.scale import simulate as simulation
+
+pytestmark = pytest.mark.compat  # .ci/run runs these again on other torch versions
+
+FLAGS = ["--model", "gpt", "--d-model", "64", "--seq-len", "64", "--batch-size", "4",
+         "--pp", "2", "--tp", "2"]  # fmt: skip
+
+
+def pp_tp_plan():
+    return resolve(config_from_args(build_parser().parse_args(["train", *FLAGS])), 4)
+
+
+def test_tensor_parallel_roles_in_turn():
+    plan = pp_tp_plan()
+    first, last = (simulation.simulate(plan, rank=r) for r in simulation.stage_ranks(plan))
+    assert (first.stage, last.stage) == (0, 1)
+    assert first.state != last.state
+    # the pipeline's sends are the micro-batch's activations, sharded by sequence parallelism
+    assert first.comm["pp"]["send"].calls == plan.n_microbatches
+    assert first.comm["tp"]["all_gather"].calls > 0
+
+
+@pytest.mark.skipif(
+    not hasattr(torch._C, "_clear_DTensor_sharding_propagator_cache"),
+    reason="this torch has no native DTensor sharding cache: the failure is the newer torch's",
+)
+def test_without_clearing_the_second_role_fails(monkeypatch):
+    """The negative control."""
+    monkeypatch.setattr(simulation, "clear_dtensor_caches", lambda: [])
+    plan = pp_tp_plan()
+    try:
+        simulation.simulate(plan, rank=0)
+        with pytest.raises(RuntimeError, match="process group"):
+            simulation.simulate(plan, rank=2)
+    finally:
+        clear_dtensor_caches()  # for the tests after this one
