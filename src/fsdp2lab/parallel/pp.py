@@ -31,7 +31,7 @@ from fsdp2lab.errors import UsageError
 from fsdp2lab.models.spec import ModelSpec
 from fsdp2lab.runtime import logs
 from fsdp2lab.runtime.mesh import ParallelDims
-from fsdp2lab.runtime.torch_compat import fix_stage_handshake, pipeline_step
+from fsdp2lab.runtime.torch_compat import fix_stage_handshake, pipeline_step, stage_shapes_given
 
 log = logs.get_logger(__name__)
 _PP_GROUP = "_fsdp2lab_pp_group"  # attribute set on a pipeline stage: its stages' process group
@@ -227,12 +227,7 @@ class Pipeline:
         """Make the training schedule for batches of ``batch`` with the tensors this stage
         receives and sends per micro-batch given (example tensors of their shapes), so that its
         first step exchanges no shapes with the neighbouring stages (``fsdp2lab plan``)."""
-        shapes = {
-            "input_args": (received,),
-            "output_args": (sent,),
-            "output_grads": (None if self.is_last else sent,),
-            "input_grads": (None if self.is_first else received,),
-        }
+        shapes = stage_shapes_given(received, sent, self.is_first, self.is_last)
         self._schedule(batch, train=True, shapes=shapes)
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -264,6 +264,19 @@ def fix_stage_handshake(stage: Any) -> Any:
     return stage
 
 
+def stage_shapes_given(received: Any, sent: Any, is_first: bool, is_last: bool) -> dict[str, tuple]:
+    """``PipelineStage`` keyword arguments that give a stage the shapes it receives and sends,
+    so its first step exchanges none with its neighbours: the activations (every torch), and
+    where the stage takes them (torch >= 2.9), the gradients coming back."""
+    from torch.distributed.pipelining import PipelineStage
+
+    given = {"input_args": (received,), "output_args": (sent,)}
+    if _takes(PipelineStage.__init__, "output_grads"):
+        given["output_grads"] = (None if is_last else sent,)
+        given["input_grads"] = (None if is_first else received,)
+    return given
+
+
 @contextlib.contextmanager
 def _shadowed(obj: Any, **methods: Callable) -> Iterator[None]:
     """Shadow methods of ``obj`` with instance attributes for the duration, then remove them."""
