@@ -8,6 +8,9 @@ destroyed groups."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -51,3 +54,24 @@ def test_without_clearing_the_second_role_fails(monkeypatch):
             simulation.simulate(plan, rank=2)
     finally:
         clear_dtensor_caches()  # for the tests after this one
+
+
+FAKE_CUDA_BACKWARD = """
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+with FakeTensorMode(allow_non_fake_inputs=True):
+    w = torch.randn(8, 8, device="cuda", requires_grad=True)
+    (w * 2).sum().backward()
+print("backward ran")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: fake CUDA tensors would run")
+def test_fake_cuda_tensors_run_no_backward_without_a_gpu():
+    """Why the plan's fake tensors are CPU ones: on a machine without a GPU, autograd's engine
+    needs a CUDA device for fake CUDA tensors (torch 2.15: an error; 2.8: the process aborts). The
+    day this passes, the plan can trace on fake CUDA tensors."""
+    proc = subprocess.run(
+        [sys.executable, "-c", FAKE_CUDA_BACKWARD], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode != 0 and "backward ran" not in proc.stdout, proc.stdout
