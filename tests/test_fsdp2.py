@@ -91,6 +91,7 @@ def test_loss_per_step_matches_single_process(tmp_path, reference, model, mesh):
     )
 
 
+@pytest.mark.slow  # the README's test command stays under 15 minutes
 def test_initial_full_weights_identical_for_every_mesh(tmp_path):
     """lr 0: the saved weights are the initial ones; they must not depend on strategy or mesh."""
     frozen = [

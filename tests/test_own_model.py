@@ -156,6 +156,7 @@ def test_units_are_inferred_and_tied_weights_stay_tied(model_file, monkeypatch):
     )
 
 
+@pytest.mark.slow  # the README's test command stays under 15 minutes
 def test_own_model_resumes_bitwise_and_exports_into_a_fresh_build(model_file, tmp_path):
     flags = ["--model", f"{model_file}:build", "--model-args", "d=32,n_blocks=3", *COMMON,
              "--nproc-per-node", "2", "--fsdp-units", "layer"]  # fmt: skip
@@ -260,6 +261,7 @@ DATA_FILE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # the README's test command stays under 15 minutes
 def test_own_dataset_loss_and_toml_model_args(model_file, tmp_path):
     data = tmp_path / "mydata.py"
     data.write_text(DATA_FILE)

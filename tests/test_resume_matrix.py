@@ -194,6 +194,7 @@ def _token_dir(folder: Path, count: int = 40_000, vocab: int = 64) -> Path:
     return folder
 
 
+@pytest.mark.slow  # the README's test command stays under 15 minutes
 def test_token_windows_resume_at_another_world_size(tmp_path):
     """The memory-mapped windows' order is a bijection computed per index, the same at every
     world size: 2 ranks save at step 6, 4 ranks resume (across the epoch boundary at step 9)."""

@@ -49,12 +49,11 @@ def measure(world: int, flags: list[str]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-# One unit per layer (the default), mlp and cnn: within 10% on a quiet machine (-9.0%, -7.1%),
-# not while other jobs share it (the cnn once at -17.0%); the cause is not traced (docs/scale.md).
-GLOO_PEAK = (
-    "the real peak of the mlp and cnn per layer: -9.0% and -7.1% on a quiet machine, the cnn "
-    "-17.0% under load (plans 1,619,696 and 22,930,976 bytes)"
-)
+# The real peak is the smallest of up to REPEATS runs. Gloo frees some buffers on its own thread;
+# a machine busy with other jobs delays those frees, which can only keep more memory live at each
+# point of the step, never less: the cnn per layer measured -7.1% in every quiet run and -17.0%
+# once under load (docs/scale.md).
+REPEATS = 3
 CASES = [
     pytest.param(2, GPT, id="gpt-fsdp2-2"),
     pytest.param(1, GPT, id="gpt-fsdp2-1", marks=pytest.mark.slow),
@@ -72,13 +71,13 @@ CASES = [
         2,
         ["--model", "mlp", "--batch-size", "16", "--optimizer", "adamw"],
         id="mlp-fsdp2-2",
-        marks=[pytest.mark.slow, pytest.mark.xfail(strict=False, reason=GLOO_PEAK)],
+        marks=pytest.mark.slow,
     ),  # fmt: skip
     pytest.param(
         2,
         ["--model", "cnn", "--batch-size", "16", "--optimizer", "adam"],
         id="cnn-fsdp2-2",
-        marks=[pytest.mark.slow, pytest.mark.xfail(strict=False, reason=GLOO_PEAK)],
+        marks=pytest.mark.slow,
     ),  # fmt: skip
     pytest.param(4, [*USER, "--dp-replicate", "2"], id="user-hsdp-2x2", marks=pytest.mark.slow),
     # --pp: every stage planned (its own rank role) and measured on the real Pipeline
@@ -103,27 +102,36 @@ CASES = [
 
 @pytest.mark.parametrize("world, flags", CASES)
 def test_plan_matches_real_run(world, flags):
-    """State bytes and collectives (calls and bytes by mesh dimension) equal; peak tensor memory
-    within 10% (the same tracker, real tensors, gloo); under --pp, for every stage."""
+    """State bytes and collectives (calls and bytes by mesh dimension) equal in every real run;
+    peak tensor memory within 10% of the real peak (the same tracker, real tensors, gloo; the
+    smallest of up to REPEATS runs); under --pp, for every stage."""
     plan = plan_of(world, flags)
     planned = [simulate(plan, rank=rank, device_type="cpu") for rank in stage_ranks(plan)]
-    real = measure(world, flags)
-    reals = real["stages"] if plan.dims.pp > 1 else [real]
-    assert len(reals) == len(planned)
-    for p, r in zip(planned, reals, strict=True):
-        assert p.state == r["state"], (p.stage, p.state, r["state"])
-        comm = {
-            d: {k: [c.calls, c.tensor_bytes] for k, c in kinds.items()}
-            for d, kinds in p.comm.items()
-        }
-        assert comm == r["comm"], (p.stage, comm, r["comm"])
-        assert abs(p.peak_bytes - r["peak_bytes"]) <= 0.10 * r["peak_bytes"], (
-            p.stage,
-            p.peak_bytes,
-            r["peak_bytes"],
-            p.peak_by_category,
-            r["by_category"],
-        )
+    best: list[dict] = []
+    for _ in range(REPEATS):
+        real = measure(world, flags)
+        reals = real["stages"] if plan.dims.pp > 1 else [real]
+        assert len(reals) == len(planned)
+        for p, r in zip(planned, reals, strict=True):
+            assert p.state == r["state"], (p.stage, p.state, r["state"])
+            comm = {
+                d: {k: [c.calls, c.tensor_bytes] for k, c in kinds.items()}
+                for d, kinds in p.comm.items()
+            }
+            assert comm == r["comm"], (p.stage, comm, r["comm"])
+        best = [
+            min(pair, key=lambda r: r["peak_bytes"])
+            for pair in zip(best or reals, reals, strict=True)
+        ]
+        if all(_within(p, r) for p, r in zip(planned, best, strict=True)):
+            break
+    for p, r in zip(planned, best, strict=True):
+        assert _within(p, r), (p.stage, p.peak_bytes, r["peak_bytes"], p.peak_by_category,
+                               r["by_category"])  # fmt: skip
+
+
+def _within(planned, real: dict) -> bool:
+    return abs(planned.peak_bytes - real["peak_bytes"]) <= 0.10 * real["peak_bytes"]
 
 
 def test_plan_state_equals_trainer_metrics(tmp_path):

@@ -53,6 +53,7 @@ def test_recipe_fills_only_what_the_user_left_unset(given, want):
     assert resolve(plan.cfg, 2).cfg == plan.cfg  # resolving again changes nothing
 
 
+@pytest.mark.slow  # the README's test command stays under 15 minutes
 def test_target_accuracy_stops_at_the_first_evaluation_at_or_above_it(tmp_path):
     # 32 steps an epoch; evaluations at steps 4, 8, ..., 28 and at the end of the epoch (32).
     flags = [*SYNTH, "--epochs", "1", "--eval-every-steps", "4", "--nproc-per-node", "2"]
