@@ -31,6 +31,10 @@ def pp_tp_plan():
 
 
 def test_tensor_parallel_roles_in_turn():
+    cleared = clear_dtensor_caches()
+    assert "propagate_op_sharding" in cleared  # the Python cache, on every torch declared
+    native = hasattr(torch._C, "_clear_DTensor_sharding_propagator_cache")
+    assert ("native_sharding_propagator" in cleared) == native
     plan = pp_tp_plan()
     first, last = (simulation.simulate(plan, rank=r) for r in simulation.stage_ranks(plan))
     assert (first.stage, last.stage) == (0, 1)
