@@ -22,10 +22,11 @@ from fsdp2lab.scale.gpus import DEFAULT_INTER_NODE_GBS, get_gpu
 from fsdp2lab.scale.report import plan_report
 
 pytestmark = pytest.mark.slow
-LLAMA = str(Path(__file__).parent / "fixtures" / "llama3.py") + ":build"
-FLAGS = ["--model", LLAMA, "--model-args", 'sac="op"', "--vocab-size", "128256",
-         "--seq-len", "8192", "--batch-size", "2", "--mixed-precision", "bf16",
-         "--optimizer", "adamw"]  # fmt: skip
+FIXTURE = str(Path(__file__).parent / "fixtures" / "llama3.py")
+# torchtitan's model, activation checkpointing and loss (the whole logits upcast at once)
+FLAGS = ["--model", f"{FIXTURE}:build", "--model-args", 'sac="op"', "--loss", f"{FIXTURE}:loss",
+         "--vocab-size", "128256", "--seq-len", "8192", "--batch-size", "2",
+         "--mixed-precision", "bf16", "--optimizer", "adamw"]  # fmt: skip
 GIB = 1024**3
 PUBLISHED = {8: (82.4, 5762), 128: (67.0, 5605)}  # GiB, tokens/s per GPU
 

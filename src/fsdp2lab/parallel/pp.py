@@ -31,7 +31,12 @@ from fsdp2lab.errors import UsageError
 from fsdp2lab.models.spec import ModelSpec
 from fsdp2lab.runtime import logs
 from fsdp2lab.runtime.mesh import ParallelDims
-from fsdp2lab.runtime.torch_compat import fix_stage_handshake, pipeline_step, stage_shapes_given
+from fsdp2lab.runtime.torch_compat import (
+    fix_stage_handshake,
+    no_step_outputs,
+    pipeline_step,
+    stage_shapes_given,
+)
 
 log = logs.get_logger(__name__)
 _PP_GROUP = "_fsdp2lab_pp_group"  # attribute set on a pipeline stage: its stages' process group
@@ -261,6 +266,7 @@ class Pipeline:
             target=target,
             losses=losses,
             finalize=finalize,
+            **no_step_outputs(schedule),
         )
         loss = (
             torch.stack([t.detach().float() for t in losses]).mean()

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from fsdp2lab.plan import RunPlan
 from fsdp2lab.scale.gpus import GPU
-from fsdp2lab.scale.simulate import RoleRun
+from fsdp2lab.scale.simulate import Phase, RoleRun
 
 GIB = 1024**3
 # Calibrated on torchtitan's Table 1 only (Llama 3.1 8B, FSDP on 8 H100 96 GB, local batch 2,
@@ -78,19 +78,47 @@ ALLOCATOR_MODEL = (
 )
 
 
-def reserved_bytes(run: RoleRun) -> int:
-    """The caching allocator's reserved memory for ``run``, by the model in the module's docstring."""
+def reserved_bytes(run: RoleRun, phase: Phase | None = None) -> int:
+    """The caching allocator's reserved memory for ``run``'s training step (or ``phase``), by the
+    model in the module's docstring."""
     grads = run.state.get("grad_bytes", 0)
-    at_peak = run.peak_by_category.get("grads", 0)
-    return int((run.peak_bytes - at_peak) * (1 + ALLOCATOR_OVERHEAD)) + grads
+    peak, by_category = (
+        (run.peak_bytes, run.peak_by_category)
+        if phase is None
+        else (phase.peak_bytes, phase.peak_by_category)
+    )
+    return int((peak - by_category.get("grads", 0)) * (1 + ALLOCATOR_OVERHEAD)) + grads
+
+
+def phase_figures(run: RoleRun, hw: Hardware) -> list[dict]:
+    """Each phase of ``run`` (its training step where it has none listed): tracked peak, reserved
+    estimate, host bytes, whether it fits and its headroom."""
+    usable = hw.gpu.hbm_gib * GIB * (1 - hw.margin)
+    phases = run.phases or [Phase("training step", run.peak_bytes, run.peak_by_category)]
+    out = []
+    for phase in phases:
+        reserved = reserved_bytes(run, phase)
+        needed = reserved + int(NON_TORCH_GIB * GIB)
+        out.append(
+            {
+                "phase": phase.name,
+                "note": phase.note,
+                "peak_bytes": phase.peak_bytes,
+                "reserved_bytes_estimate": reserved,
+                "host_bytes": phase.host_bytes,
+                "fits": needed <= usable,
+                "headroom_bytes": int(usable - needed),
+            }
+        )
+    return out
 
 
 def estimate(plan: RunPlan, run: RoleRun, hw: Hardware) -> dict:
     """The plan's figures for one rank role, as the ``--json`` output carries them."""
     gpu = hw.gpu
     reserved = reserved_bytes(run)
-    needed = reserved + int(NON_TORCH_GIB * GIB)
-    usable = gpu.hbm_gib * GIB * (1 - hw.margin)
+    phases = phase_figures(run, hw)
+    peak_phase = max(phases, key=lambda p: p["reserved_bytes_estimate"])
 
     comm = {}
     fsdp_s = tp_s = pp_s = 0.0
@@ -140,8 +168,10 @@ def estimate(plan: RunPlan, run: RoleRun, hw: Hardware) -> dict:
         },
         "state": dict(run.state),
         "state_bytes": run.state_bytes,
-        "fits": needed <= usable,
-        "headroom_bytes": int(usable - needed),
+        "fits": all(p["fits"] for p in phases),
+        "headroom_bytes": min(p["headroom_bytes"] for p in phases),
+        "phases": phases,
+        "peak_phase": peak_phase["phase"],
         "comm": comm,
         "flops_per_step": run.flops,
         "model_flops_per_step": model_flops,

@@ -25,7 +25,9 @@ MODELLED = (
     "model, mesh (--dp-replicate, --dp-shard, --tp), batch, --seq-len, --grad-accum-steps, "
     "--mixed-precision fp32/bf16, --activation-checkpointing, --reshard-after-forward, "
     "--fsdp-units, --prefetch, --optimizer, --pp (each stage a rank role) with --pp-schedule "
-    "gpipe/1f1b and --pp-microbatches"
+    "gpipe/1f1b and --pp-microbatches; besides the training step, evaluation "
+    "(--test-batch-size), the --save-model gather and checkpoint saves (--ckpt-dir, "
+    "--async-checkpoint)"
 )
 NOT_MODELLED = {
     "cpu_offload": "--cpu-offload (the plan keeps state on the GPU)",
@@ -38,6 +40,19 @@ def summarize(plan: RunPlan, hw: Hardware) -> dict:
     one per pipeline stage under --pp. The per-rank figures are the worst role's."""
     roles = [estimate(plan, simulate(plan, rank=rank), hw) for rank in stage_ranks(plan)]
     worst = max(roles, key=lambda r: r["memory"]["peak_bytes"])
+    # Per phase, the worst role's figures; the phase that sets the run's peak reserved memory.
+    phases: dict[str, dict] = {}
+    for role in roles:
+        for phase in role["phases"]:
+            name = phase["phase"]
+            if (
+                name not in phases
+                or phase["reserved_bytes_estimate"] > phases[name]["reserved_bytes_estimate"]
+            ):
+                phases[name] = {k: v for k, v in phase.items() if k != "phase"}
+            if not phase["fits"]:
+                phases[name]["fits"] = False
+    peak_phase = max(phases, key=lambda name: phases[name]["reserved_bytes_estimate"])
     comm_bytes: dict[str, int] = {}
     for role in roles:
         for dim, entry in role["comm"].items():
@@ -69,13 +84,18 @@ def summarize(plan: RunPlan, hw: Hardware) -> dict:
         "tokens_per_s_per_gpu": min(r["tokens_per_s_per_gpu"] for r in roles),
         "mfu": min(r["mfu"] for r in roles),
         "fits": all(r["fits"] for r in roles),
+        "peak_phase": peak_phase,
+        "phases": phases,
         **pipeline,
         "roles": roles,
     }
 
 
-def variants(cfg: TrainConfig, plan: RunPlan) -> list[tuple[str, TrainConfig]]:
-    """What else to try where a plan does not fit: (what changes, its config)."""
+def variants(
+    cfg: TrainConfig, plan: RunPlan, phases: dict | None = None
+) -> list[tuple[str, TrainConfig]]:
+    """What else to try where a plan does not fit: (what changes, its config); ``phases``: the
+    plan's (a smaller evaluation batch where evaluation does not fit)."""
     out: list[tuple[str, TrainConfig]] = []
     dims = plan.dims
     if dims.dp_replicate > 1:
@@ -85,6 +105,11 @@ def variants(cfg: TrainConfig, plan: RunPlan) -> list[tuple[str, TrainConfig]]:
         if half > 1 and dims.dp_replicate % 2 == 0:
             out.append((f"--dp-replicate {half} (twice the shards)",
                         dataclasses.replace(cfg, dp_replicate=half, dp_shard=-1)))  # fmt: skip
+    evaluation = (phases or {}).get("evaluation")
+    if evaluation is not None and not evaluation["fits"]:
+        smaller = max(1, min(plan.micro_batch, plan.cfg.test_batch_size // 2))
+        out.append((f"--test-batch-size {smaller}",
+                    dataclasses.replace(cfg, test_batch_size=smaller)))  # fmt: skip
     if cfg.activation_checkpointing != "full":
         out.append(("--activation-checkpointing full",
                     dataclasses.replace(cfg, activation_checkpointing="full")))  # fmt: skip
@@ -112,7 +137,12 @@ def plan_report(cfg: TrainConfig, world_size: int, hw: Hardware, alternatives: b
         "context, NCCL)",
         "latency_s": LATENCY_S,
         "modelled": MODELLED,
-        "not_modelled": [text for key, text in NOT_MODELLED.items() if getattr(cfg, key)],
+        "not_modelled": [text for key, text in NOT_MODELLED.items() if getattr(cfg, key)]
+        + (
+            ["evaluation under --pp (the pipeline's schedule infers its shapes)"]
+            if plan.dims.pp > 1
+            else []
+        ),
         **summarize(plan, hw),
     }
     if cfg.grad_accum_steps > 1 and plan.dims.dp_shard > 1:
@@ -131,7 +161,7 @@ def plan_report(cfg: TrainConfig, world_size: int, hw: Hardware, alternatives: b
         report["grad_accum_other"] = {"grad_accum_reduce": other, **alt}
     if not report["fits"] and alternatives:
         report["alternatives"] = []
-        for what, variant in variants(cfg, plan):
+        for what, variant in variants(cfg, plan, report["phases"]):
             try:
                 alt = summarize(resolve(variant, world_size, "cuda"), hw)
             except UsageError as e:
@@ -171,18 +201,38 @@ def format_report(r: dict) -> str:
             )
         else:
             lines.append(f"rank role {role['rank']} (every rank alike):")
-        lines.append("  memory (tracked tensors, at the step's peak):")
+        lines.append("  memory (tracked tensors, at the training step's peak):")
         for key in ("params", "grads", "optimizer_state", "unsharded_params", "unsharded_grads",
                     "activations", "temporaries", "all_gather", "reduce_scatter", "inputs"):  # fmt: skip
             if key in mem:
                 lines.append(f"    {key:<18} {_gib(mem[key])}")
         lines.append(f"    {'peak total':<18} {_gib(mem['peak_bytes'])}")
+        step = role["phases"][0]  # the training step
         lines.append(
             f"    reserved (estimate) {_gib(mem['reserved_bytes_estimate'])} + "
             f"{_gib(mem['non_torch_bytes_estimate'])} outside PyTorch of {_gib(mem['gpu_bytes'])}: "
-            + ("FITS" if role["fits"] else "DOES NOT FIT")
-            + f" with {r['margin']:.0%} margin (headroom {_gib(role['headroom_bytes'])})"
+            + ("FITS" if step["fits"] else "DOES NOT FIT")
+            + f" with {r['margin']:.0%} margin (headroom {_gib(step['headroom_bytes'])})"
         )
+        if len(role["phases"]) > 1:
+            lines.append("  phases (tracked peak, reserved estimate; host memory):")
+            for phase in role["phases"]:
+                host = f"; host {_gib(phase['host_bytes'])}" if phase["host_bytes"] else ""
+                lines.append(
+                    f"    {phase['phase']:<20} {_gib(phase['peak_bytes']):>11}, "
+                    f"{_gib(phase['reserved_bytes_estimate']):>11}: "
+                    + ("fits" if phase["fits"] else "DOES NOT FIT")
+                    + f"{host} ({phase['note']})"
+                )
+            lines.append(
+                f"  the run's peak: {role['peak_phase']}; "
+                + (
+                    "every phase FITS"
+                    if role["fits"]
+                    else "DOES NOT FIT: "
+                    + ", ".join(p["phase"] for p in role["phases"] if not p["fits"])
+                )
+            )
         lines.append(
             f"  sharded state: {_gib(role['state_bytes'])} (params {_gib(role['state']['param_bytes'])}, "
             f"grads {_gib(role['state']['grad_bytes'])}, optimizer {_gib(role['state']['optimizer_state_bytes'])})"
@@ -230,9 +280,11 @@ def format_report(r: dict) -> str:
         if "error" in alt:
             lines.append(f"  instead: {alt['change']}: not possible ({alt['error']})")
             continue
+        peak = alt["phases"][alt["peak_phase"]]
         lines.append(
-            f"  instead: {alt['change']}: peak {_gib(alt['peak_bytes_per_rank'])}, reserved "
-            f"{_gib(alt['reserved_bytes_per_rank'])}, {'fits' if alt['fits'] else 'does not fit'}, "
+            f"  instead: {alt['change']}: peak {_gib(peak['peak_bytes'])}, reserved "
+            f"{_gib(peak['reserved_bytes_estimate'])} ({alt['peak_phase']}), "
+            f"{'fits' if alt['fits'] else 'does not fit'}, "
             f"step {alt['step_s'] * 1e3:,.1f} ms, {alt['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
             f"MFU {alt['mfu']:.1%}"
         )

@@ -11,7 +11,9 @@ The model is the run plan's meta model, parallelised by the same strategy code a
   reduce-scatter buffers), and the peak of their sum;
 * the sharded state this rank holds (``training.metrics.state_bytes``, as ``train`` reports it);
 * every collective's bytes by mesh dimension (a dispatch mode over the c10d ops);
-* FLOPs (``torch.utils.flop_counter``'s formulas), forward and all.
+* FLOPs (``torch.utils.flop_counter``'s formulas), forward and all;
+* after the step, the peak of each later phase of the run (:func:`run_phases`: evaluation, the
+  ``--save-model`` gather, a checkpoint save) and the host memory it takes.
 
 Under ``--pp`` each pipeline stage is a rank role of its own (:func:`stage_ranks`): the rank's
 stage is cut by the real ``pp.stage_module`` and parallelised as ``train`` does, and its step is
@@ -42,7 +44,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
@@ -50,10 +51,11 @@ from torch.utils.flop_counter import flop_registry
 from fsdp2lab.errors import UsageError
 from fsdp2lab.models.materialize import to_empty
 from fsdp2lab.models.spec import logits_of
-from fsdp2lab.parallel.fsdp2 import default_unit_min_params
+from fsdp2lab.parallel.fsdp2 import default_unit_min_params, reshard_all
 from fsdp2lab.plan import RunPlan
 from fsdp2lab.runtime.mesh import build_mesh
 from fsdp2lab.runtime.torch_compat import clear_dtensor_caches
+from fsdp2lab.training.loss import model_loss
 from fsdp2lab.training.metrics import state_bytes
 from fsdp2lab.training.optim import build_optimizer
 
@@ -85,8 +87,20 @@ class Collective:
 
 
 @dataclass
+class Phase:
+    """One phase of the run on one rank: its tracked device peak, the categories at that peak,
+    and the host memory it takes (a copy of tensors on the CPU)."""
+
+    name: str
+    peak_bytes: int
+    peak_by_category: dict[str, int]
+    host_bytes: int = 0
+    note: str = ""  # what the phase runs, in a few words
+
+
+@dataclass
 class RoleRun:
-    """What one rank measured over a tracked training step."""
+    """What one rank measured over a tracked training step, and the run's other phases."""
 
     rank: int
     peak_bytes: int  # the tracker's peak of all categories together
@@ -98,6 +112,8 @@ class RoleRun:
     comm: dict[str, dict[str, Collective]] = field(default_factory=dict)
     stage: int | None = None  # --pp: this rank's pipeline stage
     modules: tuple[str, ...] = ()  # --pp: the stage's modules
+    # Every phase of the run this rank goes through (:func:`run_phases`), the training step first.
+    phases: list[Phase] = field(default_factory=list)
 
     @property
     def state_bytes(self) -> int:
@@ -212,8 +228,9 @@ def check_supported(plan: RunPlan) -> None:
         )
 
 
-def _batch(plan: RunPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    cfg, spec, b = plan.cfg, plan.spec, plan.micro_batch
+def _batch(plan: RunPlan, size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of ``size`` samples (default: the training micro-batch)."""
+    cfg, spec, b = plan.cfg, plan.spec, size or plan.micro_batch
     if spec.task == "lm":
         vocab = cfg.vocab_size
         return (
@@ -224,11 +241,9 @@ def _batch(plan: RunPlan) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(b, *spec.input_shape), torch.randint(0, classes, (b,))
 
 
-def _loss(plan: RunPlan, output, target) -> torch.Tensor:
-    if plan.loss is not None:
-        return plan.loss(output, target)
-    logits = logits_of(output)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
+def _loss(plan: RunPlan, output, target, reduction: str = "mean") -> torch.Tensor:
+    """The trainer's loss (``training.loss.model_loss``: yours, else chunked cross-entropy)."""
+    return model_loss(output, target, plan.loss, reduction)
 
 
 def train_step(
@@ -276,16 +291,17 @@ def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         group["lr"] = lr
 
 
-def track(plan: RunPlan, model, optimizer, batches, counters=(), pipeline=None):
+def track(plan: RunPlan, model, optimizer, batches, counters=(), pipeline=None, tracker=None):
     """A steady optimizer step (the optimizer state made first) under the memory tracker and
     ``counters`` (dispatch modes); returns (peak bytes, peak by category). The tracker is
     entered before the first forward: FSDP2 resizes its gathered parameters' storages in
     place, and one made before the tracker saw it would count as a temporary never freed.
-    ``pipeline``: the step runs through it (``--pp``)."""
+    ``pipeline``: the step runs through it (``--pp``). ``tracker``: an ``FSDPMemTracker`` of
+    ``model`` and ``optimizer`` to use (to track later phases with it), else a new one."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     create_optimizer_state(optimizer)
-    tracker = FSDPMemTracker(model, optimizer)
+    tracker = tracker or FSDPMemTracker(model, optimizer)
     x, _ = batches()
     tracker.track_inputs((x,))
     with tracker, contextlib.ExitStack() as stack:
@@ -301,6 +317,11 @@ def track(plan: RunPlan, model, optimizer, batches, counters=(), pipeline=None):
             )
             stack.callback(handle.remove)
         train_step(plan, model, optimizer, batches, tracker.reset_mod_stats, pipeline)
+    return _peak(tracker)
+
+
+def _peak(tracker) -> tuple[int, dict[str, int]]:
+    """The tracker's peak since it was last entered: (bytes, bytes by category at it)."""
     peak = tracker.get_tracker_snapshot("peak")
     snapshot = next(iter(peak.values())) if peak else {}
     by_category = {
@@ -309,6 +330,118 @@ def track(plan: RunPlan, model, optimizer, batches, counters=(), pipeline=None):
         if str(k) != "Total"
     }
     return int(snapshot.get("Total", 0)), by_category
+
+
+def eval_batch(plan: RunPlan) -> int:
+    """Samples in one evaluation forward on a rank: ``--test-batch-size``, or this rank's share
+    of the test set where that is smaller and known (synthetic data: a quarter of
+    ``--synthetic-size``, as ``data.loader`` makes it; ``data.sampler.eval_shards`` splits it)."""
+    batch = plan.cfg.test_batch_size
+    dataset = plan.spec.default_dataset if plan.cfg.dataset == "auto" else plan.cfg.dataset
+    if dataset == "synthetic":
+        n_test = max(1, plan.cfg.synthetic_size // 4)
+        batch = min(batch, -(-n_test // plan.dims.dp))
+    return batch
+
+
+def run_phases(plan: RunPlan, model, optimizer, tracker) -> list[Phase]:
+    """The run's phases after a training step, each tracked from what the step left live (the
+    parameters, gradients and optimizer state; FSDP2 frees gradients only at the next step):
+
+    * evaluation (``training/evaluation.py``): a forward of one test batch (:func:`eval_batch`)
+      under ``no_grad``, its loss summed by the trainer's loss function, then every unit
+      resharded. Not under ``--pp`` (the pipeline's evaluation schedule infers its shapes from
+      its neighbours);
+    * ``--save-model``: ``checkpoint.export.full_state_dict``'s gather, ``get_model_state_dict``
+      with ``full_state_dict`` and ``cpu_offload``: each tensor gathered whole on the device,
+      copied to rank 0's host memory and dropped; under ``--pp`` (no ``cpu_offload`` there) the
+      stage's full tensors all stay on the device until its stages join them on the host;
+    * a checkpoint save (``--ckpt-dir``): ``checkpoint.state.capture``'s ``get_state_dict``;
+      ``dcp.save`` adds nothing on the device (it copies one tensor at a time to the host, the
+      host bytes given), ``dcp.async_save`` stages the rank's whole state to host memory first
+      (``--async-checkpoint``: those bytes)."""
+    cfg = plan.cfg
+    phases = []
+    if plan.dims.pp == 1:
+        batch = eval_batch(plan)
+        x, y = _batch(plan, batch)
+        with tracker:  # entering restarts the tracker's peak at what is live now
+            tracker.reset_mod_stats()  # its per-module statistics hold one forward
+            tracker.track_inputs((x, y))
+            _evaluate(plan, model, x, y)
+        del x, y
+        note = f"one test batch of {batch}" + (
+            f" x {cfg.seq_len} tokens" if plan.spec.task == "lm" else ""
+        )
+        phases.append(Phase("evaluation", *_peak(tracker), note=note))
+    if cfg.save_model:
+        with tracker:
+            host = _gather_full(model, keep_on_device=plan.dims.pp > 1)
+        if plan.dims.pp > 1:  # every stage's parts are joined on each rank of the stage group
+            host = _nbytes(list(plan.meta_model.state_dict().values()))
+        note = "whole tensors, one at a time, to rank 0's host memory"
+        if plan.dims.pp > 1:
+            note = "the stage's whole tensors on the device, then every stage's on the host"
+        phases.append(Phase("--save-model gather", *_peak(tracker), host_bytes=host, note=note))
+    if cfg.ckpt_dir:
+        with tracker:
+            staged, largest = _checkpoint_state(model, optimizer)
+        if cfg.async_checkpoint:
+            host, note = staged, "dcp.async_save: the rank's state staged to host memory"
+        else:
+            host, note = largest, "dcp.save: one tensor at a time to host memory"
+        phases.append(Phase("checkpoint save", *_peak(tracker), host_bytes=host, note=note))
+    return phases
+
+
+@torch.no_grad()
+def _evaluate(plan: RunPlan, model, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One test batch as ``training.evaluation.evaluate`` runs it: the forward, the loss summed
+    by the trainer's loss. (Its correct count, ``loss.correct``, reads values, which fake tensors
+    have not; it holds one chunk's argmax at a time, the loss's chunk of tokens.)"""
+    model.eval()
+    out = logits_of(model(x))
+    _loss(plan, out, y, reduction="sum")
+    del out
+    reshard_all(model)
+    model.train()
+
+
+def _gather_full(model, keep_on_device: bool) -> int:
+    """The device side of ``get_model_state_dict(model, full_state_dict=True, cpu_offload=...)``
+    (torch's ``_gather_state_dict``): each DTensor made whole (``full_tensor``: its
+    all-gather), then copied to the host and dropped, or, ``keep_on_device``, kept until all are
+    gathered. Returns the bytes of the whole tensors (what the host copy holds)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    kept, total = [], 0
+    for value in get_model_state_dict(model).values():
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        if isinstance(value, torch.Tensor):
+            total += value.numel() * value.element_size()
+            if keep_on_device:
+                kept.append(value)
+        del value
+    return total
+
+
+def _checkpoint_state(model, optimizer) -> tuple[int, int]:
+    """The model and optimizer state a checkpoint saves (``checkpoint.state.capture``'s
+    ``get_state_dict``): (this rank's bytes of it, its largest tensor's bytes). DCP writes, and
+    ``async_save`` stages, each tensor's local part: a DTensor's shard."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.utils._pytree import tree_leaves
+
+    from fsdp2lab.checkpoint.state import OPTIONS
+
+    state = get_state_dict(model, optimizer, options=OPTIONS)
+    sizes = [
+        _nbytes(t.to_local() if isinstance(t, DTensor) else t)
+        for t in tree_leaves(state)
+        if isinstance(t, torch.Tensor)
+    ]
+    return sum(sizes), max(sizes, default=0)
 
 
 def stage_ranks(plan: RunPlan) -> list[int]:
@@ -379,6 +512,7 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
     ``rank``'s stage (:func:`stage_ranks`: one rank per stage).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     check_supported(plan)
@@ -409,8 +543,13 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
             counter = StepCounter(_group_dims(mesh))
             forward = _ForwardFlops(counter)
             counters = (counter, forward.installed(model))
-            peak, by_category = track(plan, model, optimizer, batches, counters, pipeline)
+            tracker = FSDPMemTracker(model, optimizer)
+            peak, by_category = track(plan, model, optimizer, batches, counters, pipeline, tracker)
             state = state_bytes(model, optimizer)
+            phases = [
+                Phase("training step", peak, by_category, note="forward, backward, optimizer"),
+                *run_phases(plan, model, optimizer, tracker),
+            ]
         stage = pipeline.stage_index if pipeline is not None else None
         return RoleRun(
             rank=rank,
@@ -422,6 +561,7 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
             flops=counter.flops,
             forward_flops=forward.total,
             comm={d: dict(kinds) for d, kinds in counter.comm.items()},
+            phases=phases,
         )
     finally:
         dist.destroy_process_group()

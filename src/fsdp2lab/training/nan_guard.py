@@ -42,13 +42,18 @@ def _nonfinite(tensors, device: torch.device) -> torch.Tensor:
     """1.0 if this rank's part of any tensor (None: skipped) is not finite, else 0.0 (no sync).
 
     The largest magnitude of each tensor (``_foreach_norm``, ord inf) is finite exactly when all
-    its elements are: one fused read of every tensor, no mask its size, no overflow of a sum.
+    its elements are: one fused read of every tensor, no mask its size, no overflow of a sum. One
+    call per device (``--cpu-offload`` keeps gradients on the host, the loss on the GPU); the flag
+    is on ``device``, which the all-reduce reduces.
     """
     local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors if t is not None]
-    local = [t.detach() for t in local if t.numel() > 0]
-    if not local:
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in local:
+        if t.numel() > 0:
+            by_device.setdefault(t.device, []).append(t.detach())
+    if not by_device:
         return torch.zeros((), device=device)
-    peaks = torch._foreach_norm(local, float("inf"))
+    peaks = [p for group in by_device.values() for p in torch._foreach_norm(group, float("inf"))]
     peaks = torch.stack([p.to(device=device, dtype=torch.float32) for p in peaks])
     return (~torch.isfinite(peaks)).any().float()
 

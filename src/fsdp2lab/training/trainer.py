@@ -13,12 +13,10 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.data import loader as data_loader
 from fsdp2lab.data.sampler import DistributedBatchSampler
-from fsdp2lab.models.spec import logits_of
 from fsdp2lab.parallel.pp import Pipeline
 from fsdp2lab.parallel.precision import DTYPES
 from fsdp2lab.parallel.strategies import build_model
@@ -29,6 +27,7 @@ from fsdp2lab.runtime.mesh import build_mesh, dp_rank
 from fsdp2lab.training import evaluation
 from fsdp2lab.training import metrics as m
 from fsdp2lab.training.hooks import Hooks, StopTraining, TrainState
+from fsdp2lab.training.loss import model_loss
 from fsdp2lab.training.optim import build_optimizer, build_scheduler
 from fsdp2lab.training.profiler import DATA_RANGE
 
@@ -127,13 +126,8 @@ class Trainer:
     def _loss(
         self, output: torch.Tensor, target: torch.Tensor, reduction: str = "mean"
     ) -> torch.Tensor:
-        if self.plan.loss is not None:  # yours: a mean over the batch
-            mean = self.plan.loss(output, target)
-            return mean if reduction == "mean" else mean * target.numel()
-        logits = logits_of(output)
-        return F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), reduction=reduction
-        )
+        """The plan's loss (yours), else cross-entropy over chunks of tokens (``loss.py``)."""
+        return model_loss(output, target, self.plan.loss, reduction)
 
     def _to_device(self, batch):
         x, y = batch
@@ -181,7 +175,7 @@ class Trainer:
             samples += len(x)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        log_step = (self.state.step + 1) % self.cfg.log_every_steps == 0
+        log_step = self.logs_step(self.state.step + 1)
         self.step_norm_checks = False  # whether this step's norm also says the loss was finite
         if self.cfg.max_grad_norm is not None or log_step:
             # The loss rides on the norm's all-reduce (where it has one over every rank), so the
@@ -243,6 +237,10 @@ class Trainer:
         st, max_steps = self.state, self.cfg.max_steps
         return (max_steps is not None and st.step >= max_steps) or st.epoch > self.cfg.epochs
 
+    def logs_step(self, step: int) -> bool:
+        """Whether step ``step`` writes a step event: every --log-every-steps, and --max-steps."""
+        return step % self.cfg.log_every_steps == 0 or step == self.cfg.max_steps
+
     def done(self) -> bool:
         """Training ends after this step: its last step is done, or a stop was asked for."""
         max_steps = self.cfg.max_steps
@@ -251,7 +249,7 @@ class Trainer:
         )
 
     def _train_epoch(self) -> None:
-        cfg, st = self.cfg, self.state
+        st = self.state
         self.sampler.set_epoch(st.epoch, st.epoch_samples)
         batches = iter(self.loader)
         for hook in self.hooks:
@@ -272,7 +270,7 @@ class Trainer:
             st.step += 1
             st.samples_seen += self.plan.global_batch
             st.epoch_samples += self.plan.global_batch
-            if st.step % cfg.log_every_steps == 0:
+            if self.logs_step(st.step):
                 self._log_step(loss)
             for hook in self.hooks:
                 hook.after_step(self)
