@@ -29,7 +29,8 @@ pytestmark = [
 
 
 def _save_plain(path: Path, step: int, scale: float = 1.0) -> Path:
-    """A small complete checkpoint written in this process."""
+    """A small complete checkpoint written in this process, as the trainer writes one."""
+    layout.mark_own(path)
     state = {
         "model": {"w": torch.arange(12.0).reshape(3, 4) * scale, "b": torch.ones(3)},
         "train_state": {"step": step},
@@ -68,15 +69,18 @@ def test_complete_mark_records_every_file_and_latest_moves_atomically(ckpt_dir: 
 
 def test_keep_last_removes_only_older_checkpoints_once_a_newer_is_complete(ckpt_dir: Path):
     unfinished_old = ckpt_dir / "step-3"
-    unfinished_old.mkdir()
+    layout.mark_own(unfinished_old)
     unfinished_new = ckpt_dir / "step-8"  # a save in progress (or dead) after the newest
-    unfinished_new.mkdir()
+    layout.mark_own(unfinished_new)
+    (ckpt_dir / "step-1").mkdir()  # another tool's (no .fsdp2lab-save mark): never deleted
     removed = layout.prune(ckpt_dir, keep_last=2)
     assert sorted(p.name for p in removed) == ["step-2", "step-3"]
-    assert [p.name for p in layout.step_folders(ckpt_dir)] == ["step-4", "step-6", "step-8"]
+    folders = ["step-1", "step-4", "step-6", "step-8"]
+    assert [p.name for p in layout.step_folders(ckpt_dir)] == folders
     assert layout.prune(ckpt_dir, keep_last=2) == []
     assert layout.remove_unfinished(ckpt_dir) == [unfinished_new]
     assert [p.name for p in layout.complete_folders(ckpt_dir)] == ["step-4", "step-6"]
+    assert (ckpt_dir / "step-1").is_dir()
 
 
 def test_resume_auto_skips_an_incomplete_newest_checkpoint_and_says_so(ckpt_dir: Path):
@@ -297,5 +301,10 @@ def test_loader_position_reads_a_real_loader_state(one_rank, tmp_path: Path):
     trainer.sampler.set_epoch(2, 64)
     batches = iter(trainer.loader)
     next(batches), next(batches)
-    blob = {"loader": pickle.dumps(trainer.loader.state_dict())}
-    assert ckpt_state.loader_position(blob, trainer.sampler.micro_global) == (2, 128)
+    saved = ckpt_state._rank_state(trainer)
+    assert isinstance(saved["loader"], str)  # JSON text, plain data
+    assert json.loads(saved["loader"]) == trainer.loader.state_dict()
+    assert ckpt_state.loader_position(saved, trainer.sampler.micro_global) == (2, 128)
+    # A loader state of the earlier (pickled) format is never unpickled: its check is skipped.
+    old = {"loader": pickle.dumps(trainer.loader.state_dict())}
+    assert ckpt_state.loader_position(old, trainer.sampler.micro_global) is None

@@ -355,3 +355,22 @@ def test_hf_storage_reader_is_used_only_where_it_reads_slices(monkeypatch):
 
     monkeypatch.setattr(dcp, "HuggingFaceStorageReader", WholeFiles, raising=False)
     assert torch_compat.hf_storage_reader() is None
+
+
+def test_pipeline_training_step_keeps_no_outputs_where_the_schedule_allows(mesh):
+    """The last stage's logits of each micro-batch go with its backward, not at the step's end."""
+    from fsdp2lab.parallel.pp import Pipeline
+
+    pipeline = Pipeline(
+        _model(), init_device_mesh("cpu", (1,), mesh_dim_names=("pp",)), torch.device("cpu"),
+        n_microbatches=2, schedule="1f1b",
+    )  # fmt: skip
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    pipeline.train_step(x, y, _loss)
+    (schedule, stage), *_ = pipeline._schedules.values()
+    if not torch_compat._takes(schedule.step, "return_outputs"):
+        assert torch_compat.no_step_outputs(schedule) == {}
+        pytest.skip("this torch's schedules always return the outputs")
+    assert stage.output_chunks == []
+    schedule.step(x, target=y, losses=[])  # the schedule's default keeps them
+    assert len(stage.output_chunks) == 2

@@ -91,7 +91,12 @@ class TrainConfig:
         None, "samples per optimizer step over all ranks (default: the recipe's, else 64)"
     )
     batch_size: int | None = _opt(None, "per-rank micro-batch (the seeds' --batch-size)")
-    test_batch_size: int = _opt(1000, "per-rank evaluation batch")
+    test_batch_size: int | None = _opt(
+        None,
+        "per-rank evaluation batch (default: a language model's training micro-batch, one "
+        "pipeline micro-batch under --pp, so evaluation holds no more logits than a step; "
+        "classifiers: 1000, the seed's)",
+    )
     grad_accum_steps: int = _opt(1, "micro-batches per optimizer step (see --grad-accum-reduce)")
     grad_accum_reduce: str = _opt(
         "auto",

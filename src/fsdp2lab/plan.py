@@ -118,11 +118,23 @@ def resolve(cfg: TrainConfig, world_size: int, device_type: str | None = None) -
             )
         n_groups = model_parallel.group_count(cfg.device, len(units))
         stages = pp.split(spec, model, units, n_groups, "--strategy model-parallel")
+    if cfg.test_batch_size is None:
+        cfg = dataclasses.replace(
+            cfg, test_batch_size=eval_batch_size(spec, micro_batch, n_microbatches)
+        )
 
+    device_type = device_type or _device_type(cfg.device)
+    if cfg.cpu_offload and cfg.mixed_precision == "fp16" and device_type == "cuda":
+        # Its inf check all-reduces a flag beside the host-side gradients, over NCCL, and its
+        # CUDA scale update takes no host flag.
+        raise UsageError(
+            "--cpu-offload with --mixed-precision fp16 on CUDA: torch's gradient scaler cannot "
+            "check gradients kept on the host; use --mixed-precision bf16, or no --cpu-offload"
+        )
     return RunPlan(
         cfg=cfg,
         world_size=world_size,
-        device_type=device_type or _device_type(cfg.device),
+        device_type=device_type,
         strategy=strategy,
         dims=dims,
         global_batch=global_batch,
@@ -225,6 +237,13 @@ def _loss(cfg: TrainConfig, spec: ModelSpec) -> Callable | None:
     if not callable(loss):
         raise UsageError(f"--loss {cfg.loss}: {type(loss).__name__} is not a function")
     return loss
+
+
+def eval_batch_size(spec: ModelSpec, micro_batch: int, n_microbatches: int) -> int:
+    """The default ``--test-batch-size``: a language model's evaluation forward takes what a
+    training forward does (one pipeline micro-batch under ``--pp``), so its logits are no larger
+    than a step's; a classifier's (10 logits a sample) takes the seed's 1000."""
+    return micro_batch // n_microbatches if spec.task == "lm" else 1000
 
 
 def _device_type(preference: str) -> str:

@@ -246,6 +246,7 @@ def validate(sweep: Sweep) -> None:
         for strategy in axes.get("strategies", []):
             if strategy not in variants:
                 raise UsageError(f"bench: [models.{name}] strategies: unknown {strategy!r}")
+    _check_references(sweep)
     for p in sweep.precisions:
         if p not in PRECISIONS:
             raise UsageError(f"bench: unknown precision {p!r}; choose from {', '.join(PRECISIONS)}")
@@ -254,6 +255,19 @@ def validate(sweep: Sweep) -> None:
             raise UsageError(f"bench: world sizes must be >= 1, got {ws}")
     for r in sweep.reshard:
         TrainConfig(reshard_after_forward=r).reshard_value()
+
+
+def _check_references(sweep: Sweep) -> None:
+    """Code a sweep file names (``loss``, ``dataset``) is the user's own, or the sweep stops."""
+    from fsdp2lab.models.user import is_reference, load_object
+
+    tables = {"[train]": sweep.train}
+    tables.update({f"[models.{n}]": v for n, v in sweep.model_keys.items()})
+    tables.update({f"[variants.{n}]": v for n, v in sweep.variants.items()})
+    for table, values in tables.items():
+        for key in ("dataset", "loss"):
+            if isinstance(values.get(key), str) and is_reference(values[key]):
+                load_object(values[key], f"bench: {table} {key}")
 
 
 def plan(sweep: Sweep) -> tuple[list[RunSpec], list[str]]:

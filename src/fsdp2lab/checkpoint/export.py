@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -21,6 +22,7 @@ from fsdp2lab.checkpoint.state import MODEL, RUN
 from fsdp2lab.errors import UsageError
 from fsdp2lab.parallel.pp import stage_group
 from fsdp2lab.runtime.distributed import Runtime
+from fsdp2lab.runtime.torch_compat import SafeFileSystemReader, SafeLoadPlanner
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -73,10 +75,11 @@ def read_model_weights(ckpt: layout.Checkpoint) -> dict[str, torch.Tensor]:
         raise UsageError(f"checkpoint {ckpt.path} holds no model tensors")
     try:
         with _one_process():
-            dcp.load(template, checkpoint_id=ckpt.path, no_dist=True)
-    except Exception as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise UsageError(f"checkpoint {ckpt.path} could not be read: {first}") from None
+            reader, planner = SafeFileSystemReader(ckpt.path), SafeLoadPlanner()
+            dcp.load(template, storage_reader=reader, planner=planner, no_dist=True)
+    except (Exception, CheckpointException) as e:
+        why = layout.read_error(e)
+        raise UsageError(f"checkpoint {ckpt.path} could not be read: {why}") from None
     return {key[len(prefix) :]: value for key, value in template.items()}
 
 
@@ -98,7 +101,8 @@ def import_state_dict(source: str, root: str) -> Path:
     try:
         weights = torch.load(src, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise UsageError(f"{source} cannot be read as a torch.save file ({e})") from None
+        why = layout.read_error(e)
+        raise UsageError(f"{source} cannot be read as a torch.save file ({why})") from None
     if not (
         isinstance(weights, dict)
         and weights
@@ -109,6 +113,7 @@ def import_state_dict(source: str, root: str) -> Path:
     if layout.step_folders(root_path):
         raise UsageError(f"{root} already holds checkpoints; import into a new directory")
     path = layout.step_dir(root_path, 0)
+    layout.mark_own(path)
     run = {"source": str(src.resolve()), "imported": True}
     with _one_process():
         dcp.save({MODEL: dict(weights), RUN: json.dumps(run)}, checkpoint_id=path, no_dist=True)

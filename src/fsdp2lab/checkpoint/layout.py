@@ -1,27 +1,34 @@
 """The checkpoint folder on disk: ``DIR/step-N`` folders, their ``COMPLETE`` mark, ``DIR/latest``.
 
-A step folder holds DCP's files (``.metadata`` and one ``__R_0.distcp`` per rank) and, once every
-rank has written, a ``COMPLETE`` mark: JSON with what was saved and the size of every file. Only a
-marked folder counts as a checkpoint. Everything here is plain file handling: no process group.
+A step folder holds DCP's files (``.metadata`` and one ``__R_0.distcp`` per rank), the mark
+``.fsdp2lab-save`` written when its save starts (only folders carrying it are ever deleted) and,
+once every rank has written, a ``COMPLETE`` mark: JSON with what was saved and the size of every
+file. Only a ``COMPLETE`` folder counts as a checkpoint. A run holds ``DIR/.lock`` (``flock``)
+while it uses the folder. A checkpoint is read as data: ``.metadata`` through a restricted
+unpickler, nothing in it is run. Everything here is plain file handling: no process group.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pickle
 import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
 from fsdp2lab.errors import UsageError
+from fsdp2lab.runtime.torch_compat import RefusedPickle, SafeFileSystemReader
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
 METADATA = ".metadata"
+OWN_SAVE = ".fsdp2lab-save"  # written when a save starts: this tool's folder, its to delete
+LOCK = ".lock"
 FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"step-(\d+)")
 
@@ -77,6 +84,18 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def mark_own(path: Path) -> None:
+    """Create step folder ``path`` (if needed) and mark it as a save of this tool, before any of
+    the save's files are written."""
+    path.mkdir(parents=True, exist_ok=True)
+    text = json.dumps({"host": os.uname().nodename, "pid": os.getpid()}) + "\n"
+    _write_atomic(path / OWN_SAVE, text)
+
+
+def is_own(path: Path) -> bool:
+    return (path / OWN_SAVE).is_file()
+
+
 def mark_complete(path: Path, info: dict) -> dict:
     """Record every file's size with ``info`` and mark ``path`` complete (atomically)."""
     files = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file()}
@@ -97,7 +116,10 @@ def read_latest(root: Path) -> str | None:
 
 
 def remove(path: Path) -> None:
-    """Delete a step folder: renamed away first, so a crash never leaves half of a marked one."""
+    """Delete a step folder of this tool's: renamed away first, so a crash never leaves half of a
+    marked one. A folder without the ``.fsdp2lab-save`` mark is left alone."""
+    if not is_own(path):
+        return
     doomed = temporary_name(path, "deleting")
     os.replace(path, doomed)
     shutil.rmtree(doomed, ignore_errors=True)
@@ -111,16 +133,17 @@ def prune(root: Path, keep_last: int) -> list[Path]:
         return []
     keep = set(complete[-keep_last:])
     newest = step_of(complete[-1])
-    doomed = [p for p in step_folders(root) if p not in keep and step_of(p) < newest]
+    doomed = [p for p in step_folders(root) if p not in keep and step_of(p) < newest and is_own(p)]
     for path in doomed:
         remove(path)
     return doomed
 
 
 def remove_unfinished(root: Path) -> list[Path]:
-    """Remove step folders without a ``COMPLETE`` mark and leftovers of interrupted deletions."""
+    """Remove this tool's step folders without a ``COMPLETE`` mark (its interrupted saves) and
+    leftovers of interrupted deletions. Another tool's ``step-N`` folder stays."""
     root = Path(root)
-    doomed = [p for p in step_folders(root) if not is_complete(p)]
+    doomed = [p for p in step_folders(root) if not is_complete(p) and is_own(p)]
     for path in doomed:
         remove(path)
     for leftover in root.glob(".step-*.deleting-*"):
@@ -139,6 +162,27 @@ def check_writable(root: str | os.PathLike) -> None:
     except OSError as e:
         reason = e.strerror or str(e)
         raise UsageError(f"--ckpt-dir {root} is not writable: {reason}") from None
+
+
+def lock(root: str | os.PathLike):
+    """Hold ``root/.lock`` (an exclusive ``flock``; the file is never written) for as long as the
+    returned file stays open: one run per checkpoint folder. A UsageError when another run
+    holds it."""
+    path = Path(root) / LOCK
+    Path(root).mkdir(parents=True, exist_ok=True)
+    f = open(path, "a")  # noqa: SIM115 (held open for the run)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise UsageError(
+            f"--ckpt-dir {root} is in use by another run (it holds {path}; `fuser {path}` "
+            "names it on its host); wait for it to end or use another --ckpt-dir"
+        ) from None
+    except OSError as e:
+        f.close()
+        raise UsageError(f"--ckpt-dir {root}: cannot lock {path}: {e.strerror or e}") from None
+    return f
 
 
 # ---------------------------------------------------------------------------- reading
@@ -183,16 +227,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         )
     for name, size in files.items():
         _check_file(path, name, size)
-    try:
-        metadata = FileSystemReader(path).read_metadata()
-    except AttributeError as e:
-        if "storage_meta" not in str(e):
-            raise UsageError(f"checkpoint {path}: {METADATA} cannot be read ({e})") from None
-        metadata = None  # a pickle of something else: read_metadata could not tag it
-    except Exception as e:
-        raise UsageError(f"checkpoint {path}: {METADATA} cannot be read ({e})") from None
-    if not isinstance(metadata, Metadata):
-        raise UsageError(f"checkpoint {path}: {METADATA} is not DCP metadata")
+    metadata = read_metadata(path)
     # Every byte range the index points to must lie inside its file.
     ends: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
@@ -200,6 +235,33 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     for name, end in ends.items():
         _check_file(path, name, None, at_least=end)
     return Checkpoint(path, marker, metadata)
+
+
+def read_metadata(path: Path) -> Metadata:
+    """A step folder's DCP metadata, read without running code; a UsageError if it is not."""
+    try:
+        return SafeFileSystemReader(path).read_metadata()
+    except RefusedPickle as e:
+        raise UsageError(
+            f"checkpoint {path}: {METADATA} is not DCP metadata ({e}): refused, a checkpoint "
+            "is read as data and nothing in it is run"
+        ) from None
+    except Exception as e:
+        raise UsageError(f"checkpoint {path}: {METADATA} cannot be read ({e})") from None
+
+
+def read_error(error: BaseException) -> str:
+    """One line on why DCP could not read a checkpoint: the first rank's own error (DCP wraps
+    them in a ``CheckpointException``); a value that is not plain data says it was refused."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        error = next(iter(failures.values()))[0]
+    text = str(error).strip()
+    if isinstance(error, pickle.UnpicklingError):
+        named = re.search(r"unsupported GLOBAL (\S+)", text)
+        what = f"it names {named.group(1)}" if named else "not plain data"
+        return f"a value in it is refused ({what}): it is read as data, nothing in it is run"
+    return (text.splitlines() or [type(error).__name__])[0]
 
 
 def _check_file(folder: Path, name: str, size: int | None, at_least: int = 0) -> None:

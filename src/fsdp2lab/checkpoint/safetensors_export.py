@@ -14,12 +14,19 @@ Two layouts:
   ``max_shard_size``; with a Hugging Face config (given, or the one a Hugging Face model's run
   recorded in the checkpoint) also ``config.json``, and tied weights stored
   once (``from_pretrained`` ties them again); for a pretrained model's run (``--model hf:PATH``)
-  also the tokenizer's files and ``generation_config.json`` beside the weights. That needs ``transformers`` (the ``hf`` extra):
-  it builds the model on the meta device to learn which weights are tied and checks the names.
+  also the tokenizer's files and ``generation_config.json`` beside the weights, each only from the
+  folder the run recorded and only while its sha256 is the one recorded. That needs
+  ``transformers`` (the ``hf`` extra): it builds the model on the meta device to learn which
+  weights are tied and checks the names.
+
+A folder is written whole under a temporary name and renamed into place (an earlier export there
+is replaced; a folder holding anything else is refused, as are the checkpoint's folders and the
+model folder the run started from).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -31,20 +38,19 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fsdp2lab.checkpoint import layout
 from fsdp2lab.checkpoint.export import _one_process
-from fsdp2lab.checkpoint.state import MODEL, saved_run
+from fsdp2lab.checkpoint.state import GENERATION_FILE, MODEL, TOKENIZER_EXTRAS, saved_run
 from fsdp2lab.data.tokens import TOKENIZER_FILES
 from fsdp2lab.errors import UsageError
+from fsdp2lab.runtime.torch_compat import SafeFileSystemReader, SafeLoadPlanner
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
-GENERATION_FILE = "generation_config.json"
-# Tokenizer files that decide no token ids (so not in a token file's hash), copied too.
-TOKENIZER_EXTRAS = ("added_tokens.json", "chat_template.jinja")
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # save_pretrained's "5GB"
 HF_HINT = 'pip install -e ".[hf]"'
 _SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
@@ -177,8 +183,9 @@ def write_safetensors(
 
 
 # ---------------------------------------------------------------------------- reading
-class _Reader(dcp.FileSystemReader):
-    """A reader that reads the checkpoint's ``.metadata`` once, not once per tensor."""
+class _Reader(SafeFileSystemReader):
+    """A reader that reads the checkpoint's ``.metadata`` once, not once per tensor (and, as
+    every reader here, runs no code from it)."""
 
     _metadata = None
 
@@ -193,11 +200,11 @@ def load_tensor(reader: dcp.FileSystemReader, entry: Entry) -> torch.Tensor:
     template = {entry.key: torch.empty(entry.shape, dtype=entry.dtype)}
     try:
         with _one_process():
-            dcp.load(template, storage_reader=reader, no_dist=True)
-    except Exception as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            dcp.load(template, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    except (Exception, CheckpointException) as e:
+        why = layout.read_error(e)
         raise UsageError(
-            f"checkpoint {reader.path}: {entry.name} could not be read: {first}"
+            f"checkpoint {reader.path}: {entry.name} could not be read: {why}"
         ) from None
     return template[entry.key]
 
@@ -287,12 +294,48 @@ def _hf_model_info(hf_config: dict, entries: list[Entry]) -> tuple[object, dict[
     return config, {k: v for k, v in tied.items() if k in have}
 
 
-def _remove_stale(folder: Path, written: set[str]) -> None:
-    """Weight files of an earlier export into ``folder`` that this one did not write."""
-    for p in folder.iterdir():
-        stale = p.name in (SINGLE_FILE, INDEX_FILE) or _SHARD_RE.fullmatch(p.name)
-        if stale and p.name not in written and p.is_file():
-            p.unlink()
+def _export_file(name: str) -> bool:
+    """A file name a folder export writes."""
+    companions = (CONFIG_FILE, GENERATION_FILE, *TOKENIZER_FILES, *TOKENIZER_EXTRAS)
+    return name in (SINGLE_FILE, INDEX_FILE, *companions) or bool(_SHARD_RE.fullmatch(name))
+
+
+def _check_out_folder(out: Path, ckpt: layout.Checkpoint, run: dict) -> None:
+    """A UsageError, before anything is written, when ``out`` is a folder the export must not
+    replace: the checkpoint's, the model or tokenizer folder the run read, or one holding other
+    files than an earlier export's."""
+    target = out.resolve()
+    if target == ckpt.path.resolve().parent:
+        raise UsageError(f"export to {out} refused: it is the checkpoint's folder; give a new one")
+    mine = {ckpt.path.resolve(): "the checkpoint"}
+    for entry in (run.get("companions") or {}).values():
+        if isinstance(entry, dict) and entry.get("folder"):
+            mine[Path(str(entry["folder"])).resolve()] = "the folder the run read its files from"
+    if run.get("hf_source"):
+        mine[Path(str(run["hf_source"])).resolve()] = "the model folder the run started from"
+    for folder, what in mine.items():
+        if target == folder or folder in target.parents:
+            raise UsageError(f"export to {out} refused: it is {what} ({folder}); give a new folder")
+    if target.is_dir():
+        others = sorted(p.name for p in target.iterdir() if not _export_file(p.name))
+        if others:
+            raise UsageError(
+                f"export to {out} refused: it holds other files than an export's "
+                f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}); give a new or "
+                "empty folder"
+            )
+
+
+def _put_in_place(tmp: Path, out: Path) -> None:
+    """Rename the finished folder ``tmp`` to ``out``; an earlier export there is replaced."""
+    if out.exists():
+        old = layout.temporary_name(out, "replaced")
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+    layout._fsync_dir(out.parent)
 
 
 def export_safetensors(
@@ -340,7 +383,33 @@ def export_safetensors(
         ) from None
     kept = [e for e in entries if e.name not in tied]
     shards = plan_shards(kept, max_shard_size)
-    out.mkdir(parents=True, exist_ok=True)
+    run = saved_run(ckpt)
+    _check_out_folder(out, ckpt, run)
+    companions = companion_sources(run) if config is not None else []
+    final, out = out, layout.temporary_name(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.mkdir()
+    try:
+        files, total = _write_folder(out, shards, load, meta, config)
+        for source, name in companions:
+            shutil.copyfile(source, out / name)
+            files.append(out / name)
+        _put_in_place(out, final)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    files = [final / p.name for p in files]
+    return Exported(ckpt, files, len(kept), total, tied)
+
+
+def _write_folder(
+    out: Path,
+    shards: list[list[Entry]],
+    load: Callable[[Entry], torch.Tensor],
+    meta: dict[str, str],
+    config: object | None,
+) -> tuple[list[Path], int]:
+    """The weights (one file or shards and their index) and ``config.json`` into ``out``."""
     files: list[Path] = []
     if len(shards) == 1:
         names = [SINGLE_FILE]
@@ -351,7 +420,7 @@ def export_safetensors(
     for name, shard in zip(names, shards, strict=True):
         write_safetensors(out / name, _file_order(shard), load, meta)
         files.append(out / name)
-    total = sum(e.nbytes for e in kept)
+    total = sum(e.nbytes for shard in shards for e in shard)
     if len(shards) > 1:
         weight_map = {
             e.name: name for name, shard in zip(names, shards, strict=True) for e in shard
@@ -362,25 +431,28 @@ def export_safetensors(
     if config is not None:
         layout._write_atomic(out / CONFIG_FILE, config.to_json_string())
         files.append(out / CONFIG_FILE)
-    _remove_stale(out, {p.name for p in files})
-    copied = copy_companions(saved_run(ckpt), out) if config is not None else []
-    return Exported(ckpt, files + copied, len(kept), total, tied)
+    return files, total
 
 
-def copy_companions(run: dict, out: Path) -> list[Path]:
-    """Beside the weights, what ``from_pretrained`` and generation read from a model folder:
-    the tokenizer's files (of the run's ``--tokenizer``, else of its pretrained folder) and the
-    pretrained folder's ``generation_config.json``. A folder no longer there is skipped."""
-    source = run.get("hf_source")
-    tokenizer = (run.get("config") or {}).get("tokenizer") or source
-    wanted = [
-        (source, GENERATION_FILE),
-        *((tokenizer, n) for n in TOKENIZER_FILES + TOKENIZER_EXTRAS),
-    ]
-    copied = []
-    for folder, name in wanted:
-        file = Path(folder) / name if folder else None
-        if file is not None and file.is_file():
-            shutil.copyfile(file, out / name)
-            copied.append(out / name)
-    return copied
+def companion_sources(run: dict) -> list[tuple[Path, str]]:
+    """Beside the weights, what ``from_pretrained`` and generation read from a model folder (the
+    tokenizer's files, ``generation_config.json``): the files the run recorded
+    (``state.companion_files``), each from its recorded folder and checked against its recorded
+    sha256 (a UsageError if it changed). A file no longer there is skipped."""
+    found = []
+    for name, entry in sorted((run.get("companions") or {}).items()):
+        if name not in (GENERATION_FILE, *TOKENIZER_FILES, *TOKENIZER_EXTRAS):
+            continue  # the mark names only these: anything else is not ours to copy
+        if not isinstance(entry, dict) or not entry.get("folder"):
+            continue
+        file = Path(str(entry["folder"])) / name
+        if not file.is_file():
+            continue
+        if hashlib.sha256(file.read_bytes()).hexdigest() != entry.get("sha256"):
+            raise UsageError(
+                f"{file} changed since the run that saved this checkpoint read it (its sha256 "
+                "differs from the one recorded): not copied beside the weights; export to "
+                "OUT.safetensors for the weights alone"
+            )
+        found.append((file, name))
+    return found

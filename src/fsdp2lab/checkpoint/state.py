@@ -9,16 +9,19 @@ Top-level keys of the DCP state dict:
 - ``scaler``: with ``--mixed-precision fp16``, the gradient scaler's state (scale, growth tracker);
 - ``run``: JSON of how the run was set up (model, strategy, world size, mesh, config, and a
   Hugging Face model's config as ``hf_config``, which ``ckpt export`` writes as ``config.json``);
-- ``ranks.<R>``: rank R's own state: CPU (and CUDA) RNG states and its data loader's state dict.
-  Every rank writes only its own entry.
+- ``ranks.<R>``: rank R's own state: CPU (and CUDA) RNG states (uint8 tensors) and its data
+  loader's state dict as JSON text. Every rank writes only its own entry.
+
+Everything here is plain data (tensors, numbers, strings): reading a checkpoint runs no code.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import pickle
 from collections.abc import Mapping
 from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -37,6 +40,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from fsdp2lab.checkpoint.layout import Checkpoint
 from fsdp2lab.config import TrainConfig
+from fsdp2lab.data.tokens import TOKENIZER_FILES
 from fsdp2lab.errors import UsageError
 from fsdp2lab.runtime.distributed import Runtime
 
@@ -72,6 +76,9 @@ MODEL, OPTIM, SCHEDULER, TRAIN_STATE, RUN, RANKS, SCALER = (
     "scaler",
 )
 FULL_CONTENTS = [MODEL, OPTIM, SCHEDULER, TRAIN_STATE, RUN, RANKS]
+GENERATION_FILE = "generation_config.json"
+# Tokenizer files that decide no token ids (so not in a token file's hash), copied too.
+TOKENIZER_EXTRAS = ("added_tokens.json", "chat_template.jinja")
 
 
 def run_info(trainer: Checkpointable) -> dict:
@@ -95,7 +102,29 @@ def run_info(trainer: Checkpointable) -> dict:
         info["hf_config"] = hf_config
     if trainer.plan.spec.source:  # a pretrained model's folder: export copies its tokenizer files
         info["hf_source"] = trainer.plan.spec.source
+    companions = companion_files(trainer.plan.spec.source, cfg.tokenizer)
+    if companions:
+        info["companions"] = companions
     return info
+
+
+def companion_files(source: str | None, tokenizer: str | None) -> dict[str, dict]:
+    """The files ``ckpt export`` copies beside the weights, as this run found them: ``{name:
+    {"folder", "sha256"}}`` for the tokenizer's files (of ``--tokenizer``, else of the pretrained
+    folder) and the pretrained folder's ``generation_config.json``. Export copies a file only
+    from that folder and only while its hash is the same."""
+    tokenizer = tokenizer or source
+    wanted = [
+        (source, GENERATION_FILE),
+        *((tokenizer, n) for n in TOKENIZER_FILES + TOKENIZER_EXTRAS),
+    ]
+    found: dict[str, dict] = {}
+    for folder, name in wanted:
+        file = Path(folder).resolve() / name if folder else None
+        if file is not None and file.is_file():
+            digest = hashlib.sha256(file.read_bytes()).hexdigest()
+            found[name] = {"folder": str(file.parent), "sha256": digest}
+    return found
 
 
 def hf_config_of(model: torch.nn.Module) -> dict | None:
@@ -131,8 +160,17 @@ def _rank_state(trainer: Checkpointable) -> dict:
         state["rng_cuda"] = torch.cuda.get_rng_state(trainer.device)
     # Asking an unstarted loader for its state would start it (and draw from the RNG).
     started = getattr(trainer.loader, "_iterator", None) is not None
-    state["loader"] = pickle.dumps(trainer.loader.state_dict()) if started else None
+    state["loader"] = _loader_json(trainer.loader.state_dict()) if started else None
     return state
+
+
+def _loader_json(loader_state: dict) -> str | None:
+    """The loader's state dict as JSON text (plain data; torchdata's states are JSON types);
+    None for a state that is not (a dataset's own objects): then resume skips its check."""
+    try:
+        return json.dumps(loader_state)
+    except (TypeError, ValueError):
+        return None
 
 
 def capture(trainer: Checkpointable) -> dict:
@@ -226,11 +264,17 @@ def reseed_rng(trainer: Checkpointable) -> None:
 
 
 def loader_position(rank_state: dict, micro_batch_global: int) -> tuple[int, int] | None:
-    """(epoch, global samples into it) recorded by a rank's data loader state; None if unknown."""
-    blob = rank_state.get("loader")
-    if blob is None:
+    """(epoch, global samples into it) recorded by a rank's data loader state; None if unknown
+    (no state, or one of another format: never unpickled)."""
+    text = rank_state.get("loader")
+    if not isinstance(text, str):
         return None
-    state = pickle.loads(blob)
+    try:
+        state = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(state, Mapping):
+        return None
     snapshot = state.get("_snapshot")  # the layout of a loader with worker processes
     if snapshot is not None:
         sampler = snapshot["_main_snapshot"]["_index_sampler_state"]

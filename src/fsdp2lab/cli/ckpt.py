@@ -118,7 +118,14 @@ def cmd_info(args: argparse.Namespace) -> None:
     from fsdp2lab.checkpoint import layout
 
     ckpt = layout.find_checkpoint(args.ckpt, [])
-    print("\n".join(describe(ckpt)))
+    try:
+        lines = describe(ckpt)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise UsageError(
+            f"checkpoint {ckpt.path}: its {layout.COMPLETE} mark is damaged ({type(e).__name__}: "
+            f"{e})"
+        ) from None
+    print("\n".join(lines))
 
 
 def describe(ckpt) -> list[str]:

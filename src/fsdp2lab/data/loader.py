@@ -15,7 +15,7 @@ from fsdp2lab.data.arrays import ArrayDataset, collate_batch
 from fsdp2lab.data.sampler import DistributedBatchSampler
 from fsdp2lab.errors import UsageError
 from fsdp2lab.models.spec import ModelSpec
-from fsdp2lab.models.user import is_reference
+from fsdp2lab.models.user import is_reference, load_object
 
 DOWNLOAD_TIMEOUT_S = 30
 # torchdata's StatefulDataLoader calls a torch API that torch has since deprecated; not ours to fix.
@@ -32,6 +32,7 @@ class DataChoice:
 def choose(cfg: TrainConfig, spec: ModelSpec) -> DataChoice:
     """Decide which dataset to use, downloading if needed. Run on one rank only."""
     if is_reference(cfg.dataset):
+        load_object(cfg.dataset, "--dataset")  # refused here, before workers start: os:system
         return DataChoice(cfg.dataset, None, f"{cfg.dataset} (your dataset)")
     if tokens.is_tokens(cfg.dataset):
         folder = cfg.dataset.removeprefix(tokens.PREFIX)

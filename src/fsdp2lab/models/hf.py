@@ -61,8 +61,15 @@ def _cached_snapshot(repo_id: str) -> Path | None:
 
 
 def read_config(folder: Path):
-    """The model's transformers config, read offline; remote code and unknown types refused."""
-    raw = json.loads((folder / "config.json").read_text())
+    """The model's transformers config, read offline; a malformed config.json, remote code and
+    unknown types refused."""
+    file = folder / "config.json"
+    try:
+        raw = json.loads(file.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"--model hf:{folder}: {file} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise UsageError(f"--model hf:{folder}: {file} is not a JSON object")
     if raw.get("auto_map"):
         raise UsageError(
             f"--model hf:{folder}: the model needs remote code (auto_map in config.json), "
@@ -104,8 +111,8 @@ def spec(reference: str, cfg) -> ModelSpec:
     from fsdp2lab.models import hf_weights
 
     folder = locate(reference)
-    config = read_config(folder)
     index = hf_weights.WeightIndex.read(folder)
+    config = read_config(folder)
     limit = getattr(config, "max_position_embeddings", None)
 
     def build(c) -> nn.Module:

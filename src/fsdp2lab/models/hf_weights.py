@@ -16,7 +16,7 @@ import json
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import torch
 import torch.nn as nn
@@ -50,13 +50,14 @@ class WeightIndex:
 
     @classmethod
     def read(cls, folder: Path) -> WeightIndex | None:
-        """The index of the folder's safetensors files (headers only); None when it has none."""
-        from safetensors import safe_open
+        """The index of the folder's safetensors files (headers only); None when it has none.
+        A malformed index, a file it names outside the folder or missing, a file whose header
+        safetensors refuses (damaged, truncated): UsageError naming the file."""
+        from safetensors import SafetensorError, safe_open
 
         index = folder / INDEX
-        if index.is_file():
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        else:
+        names = _indexed_files(index) if index.is_file() else None
+        if names is None:
             names = sorted(p.name for p in folder.glob("*.safetensors"))
         if not names:
             return None
@@ -64,12 +65,18 @@ class WeightIndex:
         for name in names:
             if not (folder / name).is_file():
                 raise UsageError(f"--model hf:{folder}: {INDEX} names {name}, which is missing")
-            with safe_open(folder / name, framework="pt") as f:
-                for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                    part = f.get_slice(key)
-                    files[key] = name
-                    shapes[key] = tuple(part.get_shape())
-                    dtypes[key] = part.get_dtype()
+            try:
+                with safe_open(folder / name, framework="pt") as f:
+                    for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                        part = f.get_slice(key)
+                        files[key] = name
+                        shapes[key] = tuple(part.get_shape())
+                        dtypes[key] = part.get_dtype()
+            except (SafetensorError, OSError) as e:
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise UsageError(
+                    f"--model hf:{folder}: {name} is not a readable safetensors file ({first})"
+                ) from None
         return cls(folder, files, shapes, dtypes)
 
     def _keys(self, model: nn.Module) -> Iterator[tuple[list[str], torch.Tensor, str | None]]:
@@ -147,6 +154,27 @@ class WeightIndex:
         import torch.distributed.checkpoint as dcp
 
         dcp.load(dict(targets), storage_reader=reader(str(self.folder)))
+
+
+def _indexed_files(index: Path) -> list[str]:
+    """The file names of an index's ``weight_map``, each a file inside its folder."""
+    where = f"--model hf:{index.parent}: {INDEX}"
+    try:
+        raw = json.loads(index.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"{where} is not valid JSON ({e})") from None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise UsageError(f"{where} has no weight_map (an object of tensor name: file name)")
+    for key, name in weight_map.items():
+        if not isinstance(name, str) or not name:
+            raise UsageError(f"{where}: weight_map[{key!r}] is {name!r}, not a file name")
+        # Checked on the name, not the resolved path: a hub cache's files are links to its blobs.
+        if PurePath(name).is_absolute() or ".." in PurePath(name).parts:
+            raise UsageError(
+                f"{where}: weight_map[{key!r}] names {name}, outside the model's folder"
+            )
+    return sorted(set(weight_map.values()))
 
 
 def _read_into(target: torch.Tensor, file, key: str) -> None:

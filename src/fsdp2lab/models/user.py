@@ -10,11 +10,14 @@ otherwise it is a language model over ``--vocab-size`` tokens of ``--seq-len``.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import json
 import re
+import site
 import sys
+import sysconfig
 from importlib import import_module
 from pathlib import Path
 
@@ -35,13 +38,91 @@ def is_reference(name: str) -> bool:
     return ":" in name and not name.startswith(PREFIXES)
 
 
+class RefusedReference(UsageError):
+    """A reference to code that is not the user's own (``os:system``): never called."""
+
+
+_ALLOWED = (
+    "fsdp2lab calls only nn.Module classes, ModelSpecs and code defined in your own files or "
+    "packages"
+)
+
+
+def _library_paths() -> list[Path]:
+    """Where Python's standard library, installed packages and fsdp2lab itself live."""
+    paths = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    paths.update(site.getsitepackages())
+    paths.add(str(Path(__file__).resolve().parents[1]))  # fsdp2lab
+    return [Path(p).resolve() for p in paths if p]
+
+
+def _library_of(path: str | Path) -> str | None:
+    """What ``path`` belongs to when it is not the user's own code, else None."""
+    path = Path(path).resolve()
+    if any(part in ("site-packages", "dist-packages") for part in path.parts):
+        return "an installed library"
+    for root in _library_paths():
+        if path.is_relative_to(root):
+            return "fsdp2lab itself" if root.name == "fsdp2lab" else "Python's standard library"
+    return None
+
+
+def _refuse(what: str, reference: str, why: str) -> RefusedReference:
+    return RefusedReference(f"{what} {reference!r} is refused: {why}; {_ALLOWED}")
+
+
+def _check_module(where: str, what: str, reference: str) -> None:
+    """Before any import: the module or file is not the standard library's."""
+    if where.endswith(".py"):
+        if library := _library_of(where):
+            raise _refuse(what, reference, f"{where} is in {library}")
+        return
+    top = where.partition(".")[0]
+    if top in sys.stdlib_module_names or top in sys.builtin_module_names:
+        raise _refuse(what, reference, f"{top} is part of Python's standard library")
+
+
+def _defined_in(obj) -> str | None:
+    """The file that defines ``obj`` (a function's code, a class's or an instance's class)."""
+    with contextlib.suppress(ValueError):  # a decorated function: where it itself is defined
+        obj = inspect.unwrap(obj)
+    if inspect.isfunction(obj):
+        return obj.__code__.co_filename
+    cls = obj if isinstance(obj, type) else type(obj)
+    try:
+        return inspect.getfile(cls)
+    except (TypeError, OSError):  # a built-in (os.system, exec) or a class without a file
+        return None
+
+
+def _check_callable(obj, what: str, reference: str) -> None:
+    """Call nothing but models (nn.Module classes, ModelSpecs) and the user's own code."""
+    if isinstance(obj, (ModelSpec, nn.Module)) or not callable(obj):
+        return  # data, or a module to run: the caller checks what it needs
+    if isinstance(obj, type) and issubclass(obj, nn.Module):
+        return
+    file = _defined_in(obj)
+    if file is None:
+        raise _refuse(what, reference, f"{_name(obj)} is built into Python")
+    if library := _library_of(file):
+        raise _refuse(what, reference, f"{_name(obj)} is defined in {library} ({file})")
+
+
+def _name(obj) -> str:
+    module = getattr(obj, "__module__", None) or type(obj).__module__
+    return f"{module}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
+
+
 def load_object(reference: str, what: str):
-    """The object ``reference`` (``pkg.module:attr`` or ``path/file.py:attr``) names."""
+    """The object ``reference`` (``pkg.module:attr`` or ``path/file.py:attr``) names: a model
+    (an nn.Module class, a ModelSpec), a value, or code defined in the user's own file or package
+    (never the standard library's, an installed library's or fsdp2lab's: ``os:system``)."""
     where, _, attr = reference.rpartition(":")
     if not where or not attr:
         raise UsageError(f"{what} {reference!r}: expected MODULE:NAME or FILE.py:NAME")
     if where.endswith(".py") and not Path(where).is_file():
         raise UsageError(f"{what} {reference!r}: no such file {where}")
+    _check_module(where, what, reference)
     try:
         module = _import_file(Path(where)) if where.endswith(".py") else import_module(where)
     except Exception as e:  # the user's code: any error it raises on import
@@ -50,7 +131,9 @@ def load_object(reference: str, what: str):
         ) from None
     if not hasattr(module, attr):
         raise UsageError(f"{what} {reference!r}: {where} has no {attr!r}")
-    return getattr(module, attr)
+    obj = getattr(module, attr)
+    _check_callable(obj, what, reference)
+    return obj
 
 
 def _import_file(path: Path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from fsdp2lab.errors import UsageError
-from fsdp2lab.runtime.launch_env import LaunchEnv, export
-from fsdp2lab.runtime.torch_compat import process_groups, set_group_timeout
+from fsdp2lab.runtime.launch_env import LaunchEnv, export, local_only
+from fsdp2lab.runtime.torch_compat import loopback_store, process_groups, set_group_timeout
 
 
 @dataclass(frozen=True)
@@ -79,13 +80,28 @@ def init(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = io_timeout(collective_timeout_s)
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+    if local_only(launch):
+        kwargs["store"] = _loopback_only(launch, timeout)
     dist.init_process_group(
         backend, rank=launch.rank, world_size=launch.world_size, timeout=timeout, **kwargs
     )
     return Runtime(
         launch.rank, launch.world_size, launch.local_rank, device, backend, collective_timeout_s
     )
+
+
+def _loopback_only(launch: LaunchEnv, timeout: timedelta) -> dist.Store:
+    """A single-node job listens on loopback only: its rendezvous store (unauthenticated, and
+    ranks exchange pickles through the process group), gloo's sockets and NCCL's bootstrap."""
+    names = [name for _, name in socket.if_nameindex()]
+    loopback = next((n for n in ("lo", "lo0") if n in names), None)
+    if loopback is not None:  # gloo binds the address of this interface (of the host name if unset)
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback
+        os.environ["NCCL_SOCKET_IFNAME"] = loopback  # NCCL's bootstrap (data: NVLink, PCIe)
+    store = loopback_store(launch.master_port, launch.world_size, launch.rank == 0, timeout)
+    os.environ["MASTER_PORT"] = str(store.port)  # the watchdog's client connects there
+    return store
 
 
 def destroy() -> None:

@@ -72,6 +72,13 @@ def detect(env: os._Environ | dict | None = None) -> LaunchEnv:
     )
 
 
+def local_only(launch: LaunchEnv, env: os._Environ | dict | None = None) -> bool:
+    """A job of this machine alone, started without a launcher or by fsdp2lab's own (not
+    torchrun, not srun): its ranks reach each other over loopback only."""
+    env = os.environ if env is None else env
+    return launch.mode == "standalone" or env.get("FSDP2LAB_LAUNCHED_BY") == "fsdp2lab"
+
+
 def export(launch: LaunchEnv) -> None:
     """Set the variables ``init_process_group(init_method='env://')`` reads."""
     os.environ.update(

@@ -51,20 +51,37 @@ DCP HuggingFaceStorageReader, by slices   2.9      2.8's reads every whole file 
                                                    safetensors' ``get_slice`` instead
                                                    (``hf_storage_reader``)
 torchdata StatefulDataLoader              0.8      its first release; 0.11 (tested) needs torch>=2
+DCP .metadata read without running code  -        ``FileSystemReader.read_metadata`` is a plain
+                                                   ``pickle.load`` (2.8: no ``rank``, no private
+                                                   ``_get_metadata_path``): ``SafeFileSystemReader``
+DCP non-tensor values with weights_only   -        ``DefaultLoadPlanner.load_bytes`` passes
+                                                   ``weights_only`` off; private ``_traverse.
+                                                   set_element`` (``SafeLoadPlanner``)
+TCPStore(master_listen_fd=)               -        the server binds every interface whatever its
+                                                   host; handed a socket bound to 127.0.0.1 it
+                                                   listens there only (``loopback_store``)
 ========================================  =======  ==============================================
 """
 
 from __future__ import annotations
 
+import builtins
+import collections
 import contextlib
 import inspect
+import io
 import os
+import pathlib
+import pickle
+import socket
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.fsdp import FSDPModule
 
 from fsdp2lab.runtime import logs
@@ -168,6 +185,86 @@ def hf_storage_reader() -> type | None:
         )
         return None
     return HuggingFaceStorageReader
+
+
+class RefusedPickle(pickle.UnpicklingError):
+    """A checkpoint file names something other than plain data: it is not loaded."""
+
+
+def _dcp_metadata_class(module: str, name: str) -> Any:
+    """What a DCP ``.metadata`` pickle may name: DCP's metadata classes, ``torch.Size``, dtypes
+    and layouts, paths and builtin containers; None for anything else."""
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    if module == metadata.__name__:
+        found = getattr(metadata, name, None)
+        return found if isinstance(found, type) and found.__module__ == module else None
+    allowed: dict[tuple[str, str], Any] = {
+        (filesystem.__name__, "_StorageInfo"): filesystem._StorageInfo,
+        ("torch", "Size"): torch.Size,
+        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+        ("collections", "OrderedDict"): collections.OrderedDict,
+    }
+    if (module, name) in allowed:
+        return allowed[module, name]
+    if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
+        return getattr(torch, name)
+    if module.split(".")[0] == "pathlib" and name in ("PosixPath", "PurePosixPath", "Path"):
+        return getattr(pathlib, name)
+    if module == "builtins" and name in ("set", "frozenset", "tuple", "list", "dict", "slice"):
+        return getattr(builtins, name)
+    return None
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        found = _dcp_metadata_class(module, name)
+        if found is None:
+            raise RefusedPickle(f"it names {module}.{name}")
+        return found
+
+
+def load_dcp_metadata(stream: io.BufferedIOBase) -> Any:
+    """Unpickle a DCP ``.metadata`` stream admitting only DCP's metadata classes (no code runs);
+    a RefusedPickle names the first thing refused."""
+    return _MetadataUnpickler(stream).load()
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's ``FileSystemReader`` whose ``read_metadata`` runs no code: a restricted unpickler
+    instead of ``pickle.load``; anything but a ``Metadata`` is a RefusedPickle."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+        rank = kwargs.get("rank")
+        if hasattr(self, "_get_metadata_path"):  # 2.9+: also per-rank ``__R.metadata``
+            path = self._get_metadata_path(rank)
+        else:
+            path = self.fs.concat_path(self.path, ".metadata")
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = load_dcp_metadata(stream)
+        if not isinstance(metadata, Metadata):
+            raise RefusedPickle(f"it holds a {type(metadata).__name__}")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, but non-tensor values load with ``torch.load(weights_only=
+    True)``: plain data only (an object that would run code is an ``UnpicklingError``)."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+
+        loaded = torch.load(value, weights_only=True)
+        fqn = read_item.dest_index.fqn
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
 
 
 # ---------------------------------------------------------------------- process groups
@@ -321,3 +418,47 @@ def pipeline_step(schedule: Any, stage: Any, *args: Any, finalize: bool, **kwarg
         "(no finalize_gradients, perform_reduce_grad or backward_one_chunk(last_backward)): "
         "use --grad-accum-steps 1 with --pp"
     )
+
+
+def no_step_outputs(schedule: Any) -> dict[str, bool]:
+    """``step()``'s keywords that make a training step's last stage keep no micro-batch's output
+    (its logits) past that micro-batch's backward: ``return_outputs=False`` where the schedule
+    takes it (its default merges them all into one batch output at the step's end)."""
+    return {"return_outputs": False} if _takes(schedule.step, "return_outputs") else {}
+
+
+# -------------------------------------------------------------- rendezvous store
+def loopback_store(port: int, world_size: int, is_master: bool, timeout: timedelta) -> Any:
+    """A c10d ``TCPStore`` at 127.0.0.1:``port`` whose server listens on loopback only.
+
+    Given any host, the server binds every interface; handed a socket bound to 127.0.0.1
+    (``master_listen_fd``) it listens on that one. ``port`` 0: an ephemeral port (``.port``).
+    """
+    if not is_master:
+        return dist.TCPStore("127.0.0.1", port, world_size, False, timeout)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen(socket.SOMAXCONN)
+        store = dist.TCPStore(
+            "127.0.0.1",
+            sock.getsockname()[1],
+            world_size,
+            True,
+            timeout,
+            master_listen_fd=sock.fileno(),
+        )
+    except TypeError:  # a TCPStore without master_listen_fd
+        sock.close()
+        notice(
+            "store-any-interface",
+            "this torch's TCPStore takes no bound socket: the rendezvous store listens on "
+            "every interface",
+        )
+        return dist.TCPStore("127.0.0.1", port, world_size, True, timeout)
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store's server owns the socket now
+    return store

@@ -1,9 +1,13 @@
 """Save and resume: the checkpoint hook of the trainer.
 
-Save: every rank writes its own shards of ``DIR/step-N`` with ``torch.distributed.checkpoint``;
-then rank 0 marks the folder ``COMPLETE``, points ``DIR/latest`` at it and prunes old ones
-(``--keep-last``, only now that a newer one is complete). Saves run over their own gloo group with
-the long I/O timeout. With ``--async-checkpoint`` the state is copied to memory at once and
+One run per folder: rank 0 holds ``DIR/.lock`` from the start of the run to its end; a second
+run on the folder is bad input, before it writes or deletes anything.
+
+Save: rank 0 marks ``DIR/step-N`` as this tool's (``.fsdp2lab-save``: only marked folders are
+ever deleted; another tool's ``step-N`` is never written into), every rank writes its own shards
+with ``torch.distributed.checkpoint``; then rank 0 marks the folder ``COMPLETE``, points
+``DIR/latest`` at it (a failure there is a warning) and prunes old ones (``--keep-last``, only now
+that a newer one is complete). Saves run over their own gloo group with the long I/O timeout. With ``--async-checkpoint`` the state is copied to memory at once and
 written by a background thread, at most one save in flight.
 
 A save that fails (disk full, I/O error: DCP tells every rank) is reported in one line, its
@@ -13,7 +17,8 @@ are not finite are never saved.
 
 Resume: rank 0 picks the checkpoint (``--resume auto | never | PATH``) and checks it; every rank
 loads it (DCP reshards to this run's world size, mesh and strategy) and the data position is
-restored in global samples, so the run goes on from the same sample.
+restored in global samples, so the run goes on from the same sample. Loading runs no code: DCP's
+metadata through a restricted unpickler, other values with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from fsdp2lab.config import TrainConfig
 from fsdp2lab.errors import TrainingFailed, UsageError
 from fsdp2lab.runtime import faults, logs
 from fsdp2lab.runtime.distributed import Runtime, new_io_group, on_rank0
+from fsdp2lab.runtime.torch_compat import SafeFileSystemReader, SafeLoadPlanner
 from fsdp2lab.training.hooks import Hooks
 from fsdp2lab.training.nan_guard import all_finite
 
@@ -97,6 +103,18 @@ class CheckpointManager(Hooks):
         self.in_flight: _InFlight | None = None
         self.last_saved_step: int | None = None
         self.rng_at_epoch_start: Callable[[], None] | None = None
+        self.lock_file = None  # rank 0: DIR/.lock, held until close()
+        if self.root is not None:
+            on_rank0(self._lock)
+
+    def _lock(self) -> None:
+        if self.runtime.is_main:
+            self.lock_file = layout.lock(self.root)
+
+    def _unlock(self) -> None:
+        if self.lock_file is not None:
+            self.lock_file.close()  # closing releases the flock
+            self.lock_file = None
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, runtime: Runtime) -> CheckpointManager | None:
@@ -105,6 +123,13 @@ class CheckpointManager(Hooks):
 
     # ------------------------------------------------------------------ hooks
     def before_fit(self, trainer: Trainer) -> None:
+        try:
+            self._before_fit(trainer)
+        except BaseException:
+            self._unlock()
+            raise
+
+    def _before_fit(self, trainer: Trainer) -> None:
         notes: list[str] = []
         ckpt, notes = on_rank0(lambda: (choose_resume(self.cfg, notes), notes))
         for note in notes:
@@ -139,8 +164,11 @@ class CheckpointManager(Hooks):
 
     def close(self) -> None:
         """Wait for a background save to finish (and mark it complete); a TrainingFailed if the
-        run's last save failed."""
-        self._wait()
+        run's last save failed. Releases the folder's lock."""
+        try:
+            self._wait()
+        finally:
+            self._unlock()
         failed, self.failed = self.failed, None
         if failed:
             raise TrainingFailed(f"the run's last checkpoint was not saved: {failed}")
@@ -161,6 +189,8 @@ class CheckpointManager(Hooks):
             if self.runtime.is_main:
                 log.warning(f"fsdp2lab: checkpoint: {path} not saved: non-finite weights")
             return
+        if not on_rank0(lambda: self._claim(path)):
+            return
         info = ckpt_state.marker_info(trainer)
         started = time.perf_counter()
         devices = [trainer.device.index or 0] if trainer.device.type == "cuda" else []
@@ -178,6 +208,21 @@ class CheckpointManager(Hooks):
             except (CheckpointException, OSError) as e:
                 return self._failed(path, e)
         self._complete(path, info, started)
+
+    def _claim(self, path: Path) -> bool:
+        """Rank 0: mark ``path`` as this tool's save; False (and a warning) for another tool's
+        ``step-N`` folder, which is left as it is."""
+        if path.exists() and not layout.is_own(path):
+            log.warning(
+                f"fsdp2lab: warning: checkpoint {path} not saved: that folder is not fsdp2lab's "
+                f"(no {layout.OWN_SAVE}), so it is left as it is"
+            )
+            return False
+        try:
+            layout.mark_own(path)
+        except OSError as e:  # the save itself then most likely fails and says why
+            log.warning(f"fsdp2lab: warning: checkpoint: cannot mark {path} as ours: {e}")
+        return True
 
     def _poll(self) -> None:
         if self.in_flight is not None and self.in_flight.future.done():
@@ -205,7 +250,7 @@ class CheckpointManager(Hooks):
         except OSError:
             free = ""
         self.failed = f"{path}: {where}{reason}{free}"
-        if self.runtime.is_main:
+        if self.runtime.is_main and not layout.is_complete(path):
             # If this fails too, --resume skips the unfinished folder and the next start removes it.
             with contextlib.suppress(OSError):
                 layout.remove(path)
@@ -222,10 +267,15 @@ class CheckpointManager(Hooks):
             return
         try:
             marker = layout.mark_complete(path, info)
-            layout.set_latest(self.root, path)
         except OSError as e:
             return self._failed(path, e)
-        self.failed = None
+        try:
+            layout.set_latest(self.root, path)
+        except OSError as e:  # the checkpoint is complete: --resume auto finds it without latest
+            log.warning(
+                f"fsdp2lab: warning: checkpoint {path} is complete, but {self.root / layout.LATEST} "
+                f"was not updated: {e.strerror or e}; nothing was deleted"
+            )
         size = sum(marker["files"].values())
         log.info(
             f"fsdp2lab: checkpoint saved: {path} ({size / 1e6:.2f} MB, "
@@ -253,10 +303,14 @@ class CheckpointManager(Hooks):
         if own:
             template[ckpt_state.RANKS] = {str(self.runtime.rank): own}
         try:
-            dcp.load(template, checkpoint_id=ckpt.path)
-        except Exception as e:
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise UsageError(f"checkpoint {ckpt.path} could not be read: {first}") from None
+            dcp.load(
+                template,
+                storage_reader=SafeFileSystemReader(ckpt.path),
+                planner=SafeLoadPlanner(),
+            )
+        except (Exception, CheckpointException) as e:
+            why = layout.read_error(e)
+            raise UsageError(f"checkpoint {ckpt.path} could not be read: {why}") from None
         ckpt_state.apply(trainer, template)
         if not full:
             log.info(

@@ -1,0 +1,315 @@
+"""A checkpoint is data: opening one runs no code. One run per --ckpt-dir; only this tool's
+folders are deleted; export is atomic and never replaces what it reads.
+
+Booby-trapped files are pickles that would ``touch`` a sentinel file; the sentinel must never
+appear, and every refusal is one line with exit code 2.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from conftest import TINY, run_cli
+from fsdp2lab import cli
+from fsdp2lab.checkpoint import layout
+from fsdp2lab.checkpoint import safetensors_export as st_export
+from fsdp2lab.checkpoint import state as ckpt_state
+from fsdp2lab.config import TrainConfig
+from fsdp2lab.errors import UsageError
+from fsdp2lab.runtime.torch_compat import SafeFileSystemReader, SafeLoadPlanner
+from fsdp2lab.training.checkpointing import CheckpointManager, choose_resume
+from fsdp2lab.training.trainer import Trainer
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*assuming the intent is to:UserWarning"),
+    pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning"),
+]
+
+
+class Trap:
+    """Unpickling this runs ``touch SENTINEL``."""
+
+    def __init__(self, sentinel: Path):
+        self.sentinel = sentinel
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.sentinel}",))
+
+
+@pytest.fixture
+def sentinel(tmp_path: Path):
+    path = tmp_path / "code-ran"
+    yield path
+    assert not path.exists(), "a checkpoint file ran code"
+
+
+def _save_plain(path: Path, step: int = 2, extra: dict | None = None) -> Path:
+    layout.mark_own(path)
+    state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "train_state": {"step": step}}
+    dcp.save({**state, **(extra or {})}, checkpoint_id=path, no_dist=True)
+    layout.mark_complete(path, {"step": step, "contents": ["model"]})
+    return path
+
+
+def _remark(path: Path, **info) -> None:
+    """Mark ``path`` complete again with its files' sizes as they are now."""
+    (path / layout.COMPLETE).unlink()
+    layout.mark_complete(path, {"step": 2, "contents": ["model"], **info})
+
+
+def _one_error(argv: list[str], capsys) -> str:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fsdp2lab: error:") and err.count("\n") == 1, err  # one line
+    return err
+
+
+# ---------------------------------------------------------------------------- no code runs
+def test_a_booby_trapped_metadata_is_refused_by_info_export_and_resume(
+    tmp_path: Path, sentinel: Path, capsys
+):
+    step = _save_plain(tmp_path / "ckpt" / "step-2")
+    (step / layout.METADATA).write_bytes(pickle.dumps(Trap(sentinel)))
+    _remark(step)
+    want = f"checkpoint {step}: .metadata is not DCP metadata (it names posix.system): refused"
+    assert want in _one_error(["ckpt", "info", str(step)], capsys)
+    for out in ("m.pt", "m.safetensors", "folder"):
+        assert want in _one_error(["ckpt", "export", str(step), str(tmp_path / out)], capsys)
+        assert not (tmp_path / out).exists()
+    with pytest.raises(UsageError, match="it names posix.system"):  # train: rank 0's choice
+        choose_resume(TrainConfig(ckpt_dir=str(tmp_path / "ckpt")), [])
+
+
+def test_import_of_a_booby_trapped_file_is_refused(tmp_path: Path, sentinel: Path, capsys):
+    torch.save({"w": Trap(sentinel)}, tmp_path / "trap.pt")
+    err = _one_error(["ckpt", "import", str(tmp_path / "trap.pt"), str(tmp_path / "c")], capsys)
+    assert "trap.pt cannot be read as a torch.save file (a value in it is refused (it names " in err
+    assert not (tmp_path / "c").exists()
+
+
+def _trainer_cfg(tmp_path: Path) -> TrainConfig:
+    return TrainConfig(
+        model="mlp",
+        dataset="synthetic",
+        synthetic_size=256,
+        global_batch_size=32,
+        progress="off",
+        ckpt_dir=str(tmp_path / "ckpt"),
+    )
+
+
+def _save_with_loader(trainer: Trainer, path: Path, loader) -> None:
+    """A checkpoint of ``trainer`` whose data loader state is ``loader``."""
+    layout.mark_own(path)
+    state = ckpt_state.capture(trainer)
+    state[ckpt_state.RANKS]["0"]["loader"] = loader
+    dcp.save(state, checkpoint_id=path)
+    layout.mark_complete(path, ckpt_state.marker_info(trainer))
+
+
+def test_a_booby_trapped_loader_state_is_refused_on_resume(one_rank, tmp_path, sentinel):
+    cfg = _trainer_cfg(tmp_path)
+    trainer = Trainer(cfg, one_rank)
+    trainer.state.step = 3
+    path = layout.step_dir(cfg.ckpt_dir, 3)
+    _save_with_loader(trainer, path, Trap(sentinel))  # DCP stores it with torch.save
+    with pytest.raises(
+        UsageError,
+        match=rf"checkpoint {path} could not be read: a value in it is refused \(it names posix.system\): it is read",
+    ):
+        CheckpointManager(cfg, one_rank).before_fit(Trainer(cfg, one_rank))
+
+    # A loader state of the earlier format (pickled bytes) is kept as bytes, never unpickled.
+    layout.remove(path)
+    _save_with_loader(trainer, path, pickle.dumps(Trap(sentinel)))
+    fresh = Trainer(cfg, one_rank)
+    CheckpointManager(cfg, one_rank).before_fit(fresh)
+    assert fresh.state.step == 3
+
+
+@pytest.mark.compat
+def test_the_restricted_reader_reads_what_dcp_writes(tmp_path: Path):
+    state = {
+        "model": {"w": torch.ones(3, 2, dtype=torch.bfloat16), "n": torch.arange(4)},
+        "values": {"s": "text", "f": 0.5, "t": (1, 2.0), "none": None, "l": [1, "a"]},
+        "raw": b"bytes",
+    }
+    dcp.save(state, checkpoint_id=tmp_path / "c", no_dist=True)
+    ours = SafeFileSystemReader(tmp_path / "c").read_metadata()
+    theirs = dcp.FileSystemReader(tmp_path / "c").read_metadata()
+    assert ours.state_dict_metadata == theirs.state_dict_metadata
+    assert ours.storage_data == theirs.storage_data
+    back = {
+        "model": {"w": torch.zeros(3, 2, dtype=torch.bfloat16), "n": torch.zeros(4, dtype=int)},
+        "values": {k: None for k in state["values"]},
+        "raw": None,
+    }
+    dcp.load(
+        back,
+        storage_reader=SafeFileSystemReader(tmp_path / "c"),
+        planner=SafeLoadPlanner(),
+        no_dist=True,
+    )
+    assert torch.equal(back["model"]["w"], state["model"]["w"])
+    assert back["values"] == state["values"] and back["raw"] == b"bytes"
+
+
+# ---------------------------------------------------------------------------- the folder
+def test_a_second_run_on_a_checkpoint_folder_is_refused(tmp_path: Path):
+    root = tmp_path / "ckpt"
+    step = _save_plain(root / "step-2")
+    held = layout.lock(root)  # the first run
+    try:
+        before = {p: p.stat().st_mtime_ns for p in root.rglob("*")}
+        args = ["train", *TINY, "--nproc-per-node", "1", "--max-steps", "2", "--ckpt-dir"]
+        proc = run_cli([*args, str(root), "--resume", str(step)], cwd=tmp_path, timeout=120)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        errors = [line for line in proc.stderr.splitlines() if "error" in line]
+        assert errors == [
+            f"fsdp2lab: error: --ckpt-dir {root} is in use by another run (it holds "
+            f"{root}/.lock; `fuser {root}/.lock` names it on its host); wait for it to end or "
+            "use another --ckpt-dir"
+        ], proc.stderr[-3000:]
+        assert {p: p.stat().st_mtime_ns for p in root.rglob("*")} == before
+    finally:
+        held.close()
+
+
+def test_the_lock_is_held_for_the_run_and_released_at_its_end(one_rank, tmp_path: Path):
+    cfg = _trainer_cfg(tmp_path)
+    first = CheckpointManager(cfg, one_rank)
+    with pytest.raises(UsageError, match="is in use by another run"):
+        CheckpointManager(cfg, one_rank)
+    first.close()
+    CheckpointManager(cfg, one_rank).close()
+
+
+def test_only_this_tools_unfinished_saves_are_deleted(tmp_path: Path):
+    root = tmp_path / "ckpt"
+    _save_plain(root / "step-2")
+    foreign = root / "step-4"  # another tool's (torchtitan names its saves step-N), in progress
+    foreign.mkdir()
+    (foreign / "shard").write_bytes(b"x")
+    ours = root / "step-6"
+    layout.mark_own(ours)  # a save of ours that died
+    assert layout.remove_unfinished(root) == [ours]
+    assert layout.prune(root, keep_last=1) == []
+    assert (foreign / "shard").read_bytes() == b"x"
+    layout.remove(foreign)  # asked directly, still not
+    assert foreign.is_dir()
+
+
+def test_a_save_never_writes_into_another_tools_step_folder(one_rank, tmp_path, caplog):
+    cfg = _trainer_cfg(tmp_path)
+    trainer = Trainer(cfg, one_rank)
+    trainer.state.step = 4
+    foreign = layout.step_dir(cfg.ckpt_dir, 4)
+    foreign.mkdir(parents=True)
+    (foreign / "shard").write_bytes(b"x")
+    manager = CheckpointManager(cfg, one_rank)
+    manager.save(trainer)
+    manager.close()
+    assert [p.name for p in foreign.iterdir()] == ["shard"]
+    assert f"checkpoint {foreign} not saved: that folder is not fsdp2lab's" in caplog.text
+
+
+def test_a_failed_latest_write_warns_and_deletes_nothing(one_rank, tmp_path, monkeypatch, caplog):
+    cfg = _trainer_cfg(tmp_path)
+    trainer = Trainer(cfg, one_rank)
+    trainer.state.step = 2
+    manager = CheckpointManager(cfg, one_rank)
+
+    def fail(root, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(layout, "set_latest", fail)
+    manager.save(trainer)
+    manager.close()  # no TrainingFailed: the checkpoint is complete
+    path = layout.step_dir(cfg.ckpt_dir, 2)
+    assert layout.is_complete(path) and layout.open_checkpoint(path).step == 2
+    assert f"{path} is complete, but {path.parent / 'latest'} was not updated" in caplog.text
+
+
+def test_info_of_a_damaged_mark_is_one_line(tmp_path: Path, capsys):
+    step = _save_plain(tmp_path / "step-2")
+    _remark(step, mesh="dp=2")
+    err = _one_error(["ckpt", "info", str(step)], capsys)
+    assert f"checkpoint {step}: its COMPLETE mark is damaged (TypeError" in err
+
+
+# ---------------------------------------------------------------------------- export
+def test_export_to_a_folder_is_atomic(tmp_path: Path, monkeypatch):
+    step = _save_plain(
+        tmp_path / "step-2", extra={"model": {"a": torch.ones(40), "b": torch.ones(40)}}
+    )
+    out = tmp_path / "out"
+    st_export.export_safetensors(step, out, max_shard_size=200)
+    first = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert len(first) == 3  # two shards and their index
+    real, calls = st_export.write_safetensors, []
+
+    def dies_on_the_second(path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(5, "Input/output error")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(st_export, "write_safetensors", dies_on_the_second)
+    with pytest.raises(OSError):
+        st_export.export_safetensors(step, out, max_shard_size=100)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == first  # the earlier export, whole
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_export_never_replaces_what_it_reads(tmp_path: Path, capsys):
+    model_dir = tmp_path / "pretrained"
+    model_dir.mkdir()
+    (model_dir / "tokenizer.json").write_text("{}")
+    step = _save_plain(tmp_path / "ckpt" / "step-2")
+    _remark(step, hf_source=str(model_dir))
+    for out, why in (
+        (model_dir, "the model folder the run started from"),
+        (step, "the checkpoint"),
+        (tmp_path / "ckpt", "the checkpoint's folder"),
+    ):
+        err = _one_error(["ckpt", "export", str(step), str(out), "--format", "safetensors"], capsys)
+        assert f"export to {out} refused: it is {why}" in err
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    err = _one_error(["ckpt", "export", str(step), str(tmp_path / "mine")], capsys)
+    assert "holds other files than an export's (notes.txt)" in err
+    assert (model_dir / "tokenizer.json").read_text() == "{}"
+
+
+def test_companion_files_come_only_from_the_recorded_folder_unchanged(tmp_path: Path):
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text('{"v": 1}')
+    (folder / "evil.py").write_text("x")
+    recorded = ckpt_state.companion_files(None, str(folder))
+    assert set(recorded) == {"tokenizer.json"}
+    run = {"companions": recorded}
+    assert st_export.companion_sources(run) == [
+        (folder.resolve() / "tokenizer.json", "tokenizer.json")
+    ]
+    # A mark naming other files or folders copies nothing it did not record.
+    assert st_export.companion_sources({"companions": {"evil.py": {"folder": str(folder)}}}) == []
+    (folder / "tokenizer.json").write_text('{"v": 2}')
+    with pytest.raises(UsageError, match="tokenizer.json changed since the run"):
+        st_export.companion_sources(run)
+
+
+def test_nothing_outside_the_restricted_reader_unpickles():
+    src = Path(__file__).parents[1] / "src"
+    hits = []
+    for file in src.rglob("*.py"):
+        for n, line in enumerate(file.read_text().splitlines(), 1):
+            if "pickle.load(" in line or "pickle.loads(" in line or "weights_only=False" in line:
+                hits.append(f"{file.relative_to(src)}:{n}: {line.strip()}")
+    assert hits == [], hits
