@@ -60,6 +60,10 @@ DCP non-tensor values with weights_only   -        ``DefaultLoadPlanner.load_byt
 TCPStore(master_listen_fd=)               -        the server binds every interface whatever its
                                                    host; handed a socket bound to 127.0.0.1 it
                                                    listens there only (``loopback_store``)
+DTensor's shape inference, flagged      -        private ``ShardingPropagator._propagate_
+                                                   tensor_meta_non_cached`` runs ops on fake
+                                                   global shapes under the dispatch modes
+                                                   (``dtensor_shape_inference``: FLOPs skip them)
 ========================================  =======  ==============================================
 """
 
@@ -169,6 +173,50 @@ def clear_dtensor_caches() -> list[str]:
 
 
 # -------------------------------------------------------------------------- DCP readers
+_inferring = [0, 0]  # [shape inferences running now, contexts entered]
+
+
+def _infer_shape_flagged(original: Callable) -> Callable:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        _inferring[0] += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _inferring[0] -= 1
+
+    return run
+
+
+@contextlib.contextmanager
+def dtensor_shape_inference() -> Iterator[Callable[[], bool]]:
+    """For the duration, a function saying whether DTensor's sharding propagation is running an
+    op now to infer its output's global shape (on fake tensors of the global shapes; the dispatch
+    modes below see it as if it computed). Private ``ShardingPropagator.
+    _propagate_tensor_meta_non_cached``, shadowed to flag its calls; where torch has none, the
+    function never says so and a notice says FLOPs may count those inferences. Reentrant."""
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    name = "_propagate_tensor_meta_non_cached"
+    original = getattr(propagator, name, None)
+    if original is None:
+        notice(name, "DTensor's shape inference is not detected in this torch: FLOPs "
+                     "counted under --tp may include it")  # fmt: skip
+        yield lambda: False
+        return
+    outer = _inferring[1] > 0
+    _inferring[1] += 1
+    try:
+        with (
+            contextlib.nullcontext()
+            if outer
+            else _shadowed(propagator, **{name: _infer_shape_flagged(original)})
+        ):
+            yield lambda: _inferring[0] > 0
+    finally:
+        _inferring[1] -= 1
+
+
 def hf_storage_reader() -> type | None:
     """DCP's ``HuggingFaceStorageReader`` where it reads each rank's slices of a safetensors file
     (``get_slice`` per read request: ``_process_read_request``, 2.9+); None where it is missing

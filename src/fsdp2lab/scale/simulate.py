@@ -54,7 +54,7 @@ from fsdp2lab.models.spec import logits_of
 from fsdp2lab.parallel.fsdp2 import default_unit_min_params, reshard_all
 from fsdp2lab.plan import RunPlan
 from fsdp2lab.runtime.mesh import build_mesh
-from fsdp2lab.runtime.torch_compat import clear_dtensor_caches
+from fsdp2lab.runtime.torch_compat import clear_dtensor_caches, dtensor_shape_inference
 from fsdp2lab.training.loss import model_loss
 from fsdp2lab.training.metrics import state_bytes
 from fsdp2lab.training.optim import build_optimizer
@@ -159,6 +159,11 @@ class StepCounter(TorchDispatchMode):
     """Counts the FLOPs (``torch.utils.flop_counter``'s formulas) and the c10d collectives, by
     the mesh dimension of their group, dispatched while active.
 
+    FLOPs are this rank's, as its kernels compute them: an op on DTensors is left to DTensor
+    (:func:`defer_to_dtensor`), which runs it on the local shards with this mode still active, so
+    a tensor-parallel matmul counts its shard of the weight and attention its local heads. The
+    ops DTensor runs to infer an output's global shape are not counted.
+
     A plain dispatch mode: ``FlopCounterMode``'s module hooks, under the memory tracker, make the
     tracker keep backward's temporaries (+1.8 GiB a layer of Llama 3 70B)."""
 
@@ -167,6 +172,18 @@ class StepCounter(TorchDispatchMode):
         self.group_dims = group_dims  # process group name -> mesh dimension name
         self.comm: dict[str, dict[str, Collective]] = defaultdict(lambda: defaultdict(Collective))
         self.flops = 0
+        self._inference = contextlib.ExitStack()
+        self._inferring = lambda: False
+
+    def __enter__(self):
+        self._inferring = self._inference.enter_context(dtensor_shape_inference())
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._inference.close()
 
     def get_total_flops(self) -> int:
         return self.flops
@@ -174,9 +191,12 @@ class StepCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         formula = flop_registry.get(func._overloadpacket)
+        if formula is not None and defer_to_dtensor(types):
+            return NotImplemented  # DTensor runs it on its local shards, counted then
         if formula is not None:
             out = func(*args, **kwargs)
-            self.flops += formula(*args, **kwargs, out_val=out)
+            if not self._inferring():
+                self.flops += formula(*args, **kwargs, out_val=out)
             return out
         namespace, _, name = func._schema.name.partition("::")
         if namespace == "c10d" and name in _COLLECTIVES:
@@ -204,6 +224,48 @@ class StepCounter(TorchDispatchMode):
         else:
             factor = 2 if kind == "all_reduce" else 1
             entry.wire_bytes += factor * nbytes * (size - 1) // size
+
+
+def defer_to_dtensor(types) -> bool:
+    """Whether a dispatch mode should return ``NotImplemented`` for an op whose tensor argument
+    ``types`` these are: true where one is a DTensor. The op then goes to DTensor's dispatch with
+    the mode still on the stack, and the mode sees the local ops each rank runs (their shapes
+    are the shards'), not the op at the DTensor's global shape."""
+    return any(issubclass(t, DTensor) for t in types)
+
+
+class LocalFlopCounter(TorchDispatchMode):
+    """Entered just after torch's ``counter`` (a ``FlopCounterMode``), so above it: ops on
+    DTensors go to DTensor's dispatch (:func:`defer_to_dtensor`), and the counter counts the
+    FLOPs of the local ops this rank runs; the ops DTensor runs to infer an output's global
+    shape leave its counts as they were. ``FlopCounterMode`` alone counts a DTensor op at its
+    global shape."""
+
+    def __init__(self, counter):
+        super().__init__()
+        self.counter = counter
+        self._inference = contextlib.ExitStack()
+        self._inferring = lambda: False
+
+    def __enter__(self):
+        self._inferring = self._inference.enter_context(dtensor_shape_inference())
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._inference.close()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if defer_to_dtensor(types):
+            return NotImplemented
+        if not self._inferring():
+            return func(*args, **(kwargs or {}))
+        counts = copy.deepcopy(self.counter.flop_counts)
+        out = func(*args, **(kwargs or {}))
+        self.counter.flop_counts = counts
+        return out
 
 
 def _nbytes(value) -> int:
