@@ -13,19 +13,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import skips
 from fsdp2lab.runtime.distributed import Runtime
 
 FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 
 # Under CI=true a skip is a failure: a stage must not pass while doing nothing because a system
-# part (Slurm, Fashion-MNIST, transformers in the hf stage, root for a tmpfs) is missing. Allowed:
-# a `gpu` test without a GPU, a `compat` test's branch for another torch version, and a module
-# needing an extra's package (transformers and tokenizers: the hf extra; pyarrow: the data extra,
-# both installed by the hf stage) collected in a stage that runs none of
-# its tests. `-ra` (pyproject.toml) prints every skip's reason in every stage.
+# part (Slurm, Fashion-MNIST, transformers in the hf stage, root for a tmpfs) is missing. Only the
+# reasons of tests/skips.py are allowed (no GPU, fewer GPUs than needed, the other torch version's
+# branch, an extra's package in a run outside its stage), whatever the test's markers. `-ra`
+# (pyproject.toml) prints every skip's reason in every stage.
 CI = os.environ.get("CI", "").lower() in ("true", "1")
-SKIP_ALLOWED_MARKERS = ("gpu", "compat")
-EXTRA_STAGES = {"transformers": "hf", "tokenizers": "hf", "pyarrow": "hf"}
 
 
 def _stage_runs(config: pytest.Config, marker: str) -> bool:
@@ -49,9 +47,14 @@ def _fail_skip(report, reason: str) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     report = (yield).get_result()
-    allowed = any(item.get_closest_marker(m) for m in SKIP_ALLOWED_MARKERS)
-    if CI and report.skipped and not hasattr(report, "wasxfail") and not allowed:
-        _fail_skip(report, _skip_reason(report))
+    if CI and report.skipped and not hasattr(report, "wasxfail"):
+        reason = _skip_reason(report)
+
+        def in_stage(marker: str) -> bool:  # the run selects that stage, or the test is not its
+            return _stage_runs(item.config, marker) or item.get_closest_marker(marker) is None
+
+        if not skips.allowed(reason, in_stage):
+            _fail_skip(report, reason)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -59,8 +62,7 @@ def pytest_make_collect_report(collector):
     report = (yield).get_result()
     if CI and report.skipped:
         reason = _skip_reason(report)
-        extra = next((m for pkg, m in EXTRA_STAGES.items() if f"'{pkg}'" in reason), None)
-        if extra is None or _stage_runs(collector.config, extra):
+        if not skips.allowed(reason, lambda marker: _stage_runs(collector.config, marker)):
             _fail_skip(report, reason)
 
 

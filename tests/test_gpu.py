@@ -37,11 +37,12 @@ import pytest
 import torch
 
 from conftest import GPT_TINY, TINY, assert_close_lists, cli_env, run_cli, train
+from skips import NO_GPU, fewer_gpus
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(GPUS == 0, reason="no CUDA device (torch.cuda.is_available() is False)"),
+    pytest.mark.skipif(GPUS == 0, reason=NO_GPU),
 ]
 RUN = [*TINY, *GPT_TINY, "--max-steps", "20", "--log-every-steps", "1",
        "--global-batch-size", "32", "--optimizer", "adam"]  # fmt: skip
@@ -51,7 +52,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_table.py"
 
 
 def needs(gpus: int):
-    return pytest.mark.skipif(gpus > GPUS, reason=f"needs {gpus} GPUs, {GPUS} here")
+    return pytest.mark.skipif(gpus > GPUS, reason=fewer_gpus(gpus, GPUS))
 
 
 def column(run, key: str) -> list[float]:
