@@ -14,6 +14,8 @@ import pytest
 
 from conftest import cli_env
 
+pytestmark = pytest.mark.slow  # pytest runs of their own: the slow stage keeps command 2 short
+
 CASES = """
 import pytest
 from skips import NO_GPU, fewer_gpus, other_torch

@@ -134,6 +134,7 @@ def test_sweep_file_naming_os_system_is_refused(tmp_path, table):
         sweep.plan(sweep.load_sweep(str(path)))
 
 
+@pytest.mark.slow  # the CLI's bench in a subprocess; the sweep check itself is tested above
 def test_bench_dry_run_refuses_a_sweep_naming_os_system(tmp_path):
     path = tmp_path / "sweep.toml"
     path.write_text('[sweep]\nmodels = ["mlp"]\nstrategies = ["ddp"]\nworld_sizes = [1]\n'

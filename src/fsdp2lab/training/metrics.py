@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -42,6 +43,13 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
 
 
 def _peak_rss_bytes() -> int:
+    """This process's peak resident set: Linux's VmHWM (ru_maxrss keeps the high-water mark of
+    the parent it was forked from across exec: a worker of a large launcher reports the
+    launcher's); ru_maxrss elsewhere."""
+    with contextlib.suppress(OSError), open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
