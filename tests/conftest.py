@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -191,6 +193,20 @@ def same_values(a: dict, b: dict) -> list[str]:
         return x != y
 
     return [k for k in keys if k not in a or k not in b or differ(a[k], b[k])]
+
+
+@contextlib.contextmanager
+def tmpfs(folder: Path, size: str):
+    """A real small disk (a tmpfs of ``size``, e.g. "2m") mounted on ``folder`` while the block
+    runs: writes past it fail with ENOSPC as on a full disk. Needs root (skips otherwise)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)]
+    if not shutil.which("mount") or subprocess.run(mount, capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
 
 
 @pytest.fixture

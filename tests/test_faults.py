@@ -11,7 +11,6 @@ import json
 import math
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, Run, cli_env, read_metrics, run_cli, train
+from conftest import TINY, Run, cli_env, read_metrics, run_cli, tmpfs, train
 from fsdp2lab.checkpoint import layout
 
 # Real kills, hangs and full disks take minutes: .ci/run runs them in their own stage.
@@ -205,13 +204,8 @@ def test_a_save_that_fails_for_lack_of_space_is_reported_and_training_goes_on(
 @pytest.fixture
 def tiny_disk(tmp_path):
     """A 2 MB tmpfs: room for one checkpoint of the mlp (1.5 MB), not two (needs root)."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mount = ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)]
-    if not shutil.which("mount") or subprocess.run(mount, capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    yield disk
-    subprocess.run(["umount", str(disk)], check=True)
+    with tmpfs(tmp_path / "disk", "2m") as disk:
+        yield disk
 
 
 def test_a_full_disk_keeps_the_last_checkpoint_and_resume_is_exact(reference, tmp_path, tiny_disk):

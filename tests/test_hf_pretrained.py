@@ -158,17 +158,63 @@ def test_fsdp2_and_hsdp_fine_tuning_match_one_process_at_every_step(folders, tmp
     assert_close_lists(hsdp.step_losses, reference, 1e-5)
 
 
-def test_tp_from_the_models_own_plan_matches_one_process_at_every_step(folders, tmp_path):
-    model = ["--model", f"hf:{folders['qwen2']}"]  # untied: its plan shards embedding and head
+def save_qwen3(folder: Path, layers: int = 2) -> Path:
+    """Untied, with q/k norms over each head (on a TP rank's local heads)."""
+    torch.manual_seed(3)
+    config = transformers.Qwen3Config(vocab_size=256, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=layers, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=8,
+                                      tie_word_embeddings=False)  # fmt: skip
+    transformers.Qwen3ForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+SP_PLAN = "fsdp2lab: tensor parallel plan: fsdp2lab's for {} (sequence parallel norms and "
+
+
+def test_sequence_parallel_tp_matches_one_process_at_every_step(folders, tmp_path):
+    """The Llama family's own plan (sequence parallelism, vocabulary-parallel loss): TP 2,
+    FSDP 2 x TP 2 and PP 2 x TP 2 follow one process within 1e-5 over 20 steps, Qwen3 (per-head
+    q/k norms) under TP 2 too."""
+    model = ["--model", f"hf:{folders['llama-untied']}"]
     single = train(tmp_path, *model, *FIT, "--strategy", "single", name="single")
     reference = single.step_losses
     assert len(reference) == STEPS and reference[-1] < reference[0] - 0.5, reference
     tp = train(tmp_path, *model, *FIT, "--nproc-per-node", "2", "--tp", "2", name="tp")
+    assert SP_PLAN.format("llama") in tp.stdout
+    assert_close_lists(tp.step_losses, reference, 1e-5)
+    for name, flags in (("fsdp-tp", ["--fsdp-units", "layer"]), ("pp-tp", ["--pp", "2"])):
+        got = train(tmp_path, *model, *FIT, "--nproc-per-node", "4", "--tp", "2", *flags,
+                    name=name)  # fmt: skip
+        assert_close_lists(got.step_losses, reference, 1e-5)
+    qwen3 = ["--model", f"hf:{save_qwen3(tmp_path / 'qwen3')}"]
+    single = train(tmp_path, *qwen3, *FIT, "--strategy", "single", name="qwen3-single")
+    tp = train(tmp_path, *qwen3, *FIT, "--nproc-per-node", "2", "--tp", "2", name="qwen3-tp")
+    assert SP_PLAN.format("qwen3") in tp.stdout
+    assert_close_lists(tp.step_losses, single.step_losses, 1e-5)
+    plan = resolve(TrainConfig(model=qwen3[1], seq_len=SEQ, tp=2), 2)
+    styles = {k: type(v).__name__ for k, v in plan.spec.tp_plan(plan.meta_model).items()}
+    assert styles["model.layers.1.input_layernorm"] == styles["model.norm"] == "SequenceParallel"
+    assert styles["model.layers.1.self_attn"] == "PrepareModuleInput"
+    assert styles["model.layers.1.self_attn.o_proj"] == "RowwiseParallel"
+    # Per head, on the local heads; weights replicated, gradients summed over the tp ranks.
+    assert styles["model.layers.1.self_attn.q_norm"] == "SequenceParallel"
+
+
+def test_tp_from_the_models_own_plan_matches_one_process_at_every_step(tmp_path):
+    """A model type outside the Llama family keeps its own ``base_model_tp_plan``, said in the
+    log (Granite)."""
+    model = ["--model", f"hf:{save_granite(tmp_path / 'granite')}"]
+    single = train(tmp_path, *model, *FIT, "--strategy", "single", name="single")
+    reference = single.step_losses
+    assert len(reference) == STEPS and reference[-1] < reference[0] - 0.5, reference
+    tp = train(tmp_path, *model, *FIT, "--nproc-per-node", "2", "--tp", "2", name="tp")
+    assert "fsdp2lab: tensor parallel plan: granite's own base_model_tp_plan" in tp.stdout
     assert_close_lists(tp.step_losses, reference, 1e-5)
     # Each rank holds about half of the parameters (norms are replicated).
     (full,), per_rank = (run.events("step")[0]["param_bytes"] for run in (single, tp))
     assert max(per_rank) < 0.6 * full, (full, per_rank)
-    plan = resolve(TrainConfig(model=f"hf:{folders['qwen2']}", seq_len=SEQ, tp=2), 2)
+    plan = resolve(TrainConfig(model=model[1], seq_len=SEQ, tp=2), 2)
     styles = {k: type(v).__name__ for k, v in plan.spec.tp_plan(plan.meta_model).items()}
     assert styles["model.layers.1.self_attn.q_proj"] == "ColwiseParallel"
     assert styles["model.layers.1.mlp.down_proj"] == "RowwiseParallel"
@@ -181,16 +227,16 @@ def test_tp_plans_fsdp2lab_cannot_follow_are_refused(folders, tmp_path):
                                          r"embedding, which its TP plan shards as separate "
                                          r"modules \(model.embed_tokens, lm_head\)"):  # fmt: skip
         resolve(TrainConfig(model=f"hf:{folders['llama']}", seq_len=SEQ, tp=2), 2)
-    torch.manual_seed(0)
-    qwen3 = transformers.Qwen3Config(vocab_size=256, hidden_size=32, intermediate_size=64,
-                                     num_hidden_layers=1, num_attention_heads=4,
-                                     num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)  # fmt: skip
-    transformers.Qwen3ForCausalLM(qwen3).save_pretrained(tmp_path / "qwen3")
+    from fsdp2lab.models import hf
+
+    qwen3 = save_qwen3(tmp_path / "qwen3", layers=1)
+    model = hf.build_from_config(hf.read_config(qwen3))
+    # Its own plan (what a type outside the Llama family would take) has a style not mapped.
     with pytest.raises(UsageError, match=r"^--tp: Qwen3ForCausalLM's TP plan uses style "
                                          r"'replicated_with_grad_allreduce' \(e.g. "
                                          r"model.layers.0.self_attn.q_norm\), which fsdp2lab does "
                                          r"not map"):  # fmt: skip
-        resolve(TrainConfig(model=f"hf:{tmp_path / 'qwen3'}", seq_len=SEQ, tp=2), 2)
+        hf.tp_plan(model)
     with pytest.raises(UsageError, match=r"--tp 3 must divide .* num_attention_heads 4"):
         resolve(TrainConfig(model=f"hf:{folders['qwen2']}", seq_len=SEQ, tp=3), 3)
 

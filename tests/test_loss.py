@@ -82,3 +82,53 @@ def test_model_loss_takes_yours_or_cross_entropy_of_the_logits():
     assert float(loss.model_loss(logits, target, yours, "sum")) == 2.0 * target.numel()
     with pytest.raises(ValueError, match="reduction"):
         loss.cross_entropy(logits, target, "none")
+
+
+def _vocab_parallel_worker(rank: int, port: int, results) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        logits, target = logits_and_targets(torch.float32, vocab=60)
+        logits.data[1, 3, 41] = 50.0  # an argmax in the second rank's columns
+        mesh = init_device_mesh("cpu", (2,))
+        for reduction in ("mean", "sum"):
+            want = F.cross_entropy(logits.reshape(-1, 60), target.reshape(-1), reduction=reduction)
+            (want_grad,) = torch.autograd.grad(want / 3, logits)
+            sharded = distribute_tensor(logits.detach(), mesh, [Shard(2)]).requires_grad_()
+            got = loss.cross_entropy(sharded, target, reduction, chunk_tokens=8)
+            (got_grad,) = torch.autograd.grad(got / 3, sharded)
+            assert got_grad.placements == (Shard(2),)
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(got_grad.full_tensor(), want_grad, rtol=1e-6, atol=1e-7)
+        hits = loss.correct(distribute_tensor(logits.detach(), mesh, [Shard(2)]), target)
+        assert hits == loss.correct(logits.detach(), target) > 0
+        results.put((rank, None))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        results.put((rank, repr(e)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_vocabulary_parallel_cross_entropy_and_correct_are_the_whole_logits():
+    """Logits sharded on the vocabulary over 2 gloo ranks (``loss_parallel``, chunked): loss,
+    gradient (sharded as the logits) and the argmax count equal those of the whole logits."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_vocab_parallel_worker, args=(r, port, results)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert got == {0: None, 1: None}, got

@@ -13,9 +13,12 @@ Before training, each cell also gathers every parameter, optimizer state tensor 
 hyperparameter of the freshly loaded trainer to full and compares it bitwise with what the
 checkpoint holds (tests/scripts/resume_matrix.py).
 
-Negative controls: in one cell per optimizer the loaded state of the running trainer is changed in
-one place before it trains (one optimizer state row zeroed, the data position one global batch on,
-the schedule stepped once more); both checks must then fail.
+Negative controls, in every cell and with every optimizer: the loaded state of the running trainer
+is changed in one place before it trains (one optimizer state row zeroed, the data position one
+global batch on, or the schedule stepped once more), and both checks must then fail, the curve
+check with that cell's own tolerance. The 4->2 cell runs all three changes with every optimizer;
+every other cell one per optimizer, its three in turn. The token-file resume (slow) is checked the
+same way, with the data position moved.
 """
 
 from __future__ import annotations
@@ -47,11 +50,10 @@ LAYOUTS = {
     "hsdp-2x2": (4, ["--dp-replicate", "2"]),
     "fsdp2-tp-2x2": (4, ["--tp", "2"]),
 }
-# Negative controls: changes to the loaded state (tests/scripts/resume_matrix.py's Mutate), in
-# a cell where the curve tolerance is that of two layouts (not the bitwise one of the same layout).
+# Negative controls: changes to the loaded state (tests/scripts/resume_matrix.py's Mutate).
 MUTATIONS = ["optim-row", "data", "scheduler"]
-MUTATED_CELL = ("fsdp2-4", "fsdp2-2")
-CELLS = [  # (source, target)
+MUTATED_CELL = ("fsdp2-4", "fsdp2-2")  # every change with every optimizer
+CELLS = [  # (source, target); a new cell gets its negative controls from mutations()
     ("fsdp2-4", "fsdp2-2"),
     ("fsdp2-2", "fsdp2-4"),
     ("single", "fsdp2-4"),
@@ -62,6 +64,17 @@ CELLS = [  # (source, target)
     ("fsdp2-tp-2x2", "fsdp2-2"),
     ("pp2", "fsdp2-2"),
 ]
+
+
+def mutations(cell: tuple[str, str], opt: str) -> list[str]:
+    """The changes a cell's resume with ``opt`` is run with: all of them in MUTATED_CELL, else one,
+    so each cell sees its three across the optimizers."""
+    if cell == MUTATED_CELL:
+        return MUTATIONS
+    return [MUTATIONS[(CELLS.index(cell) + list(OPTIMIZERS).index(opt)) % len(MUTATIONS)]]
+
+
+CONTROLS = [(cell, opt, m) for cell in CELLS for opt in OPTIMIZERS for m in mutations(cell, opt)]
 
 
 def _run_ranks(out: Path, ranks: int, variants: dict) -> None:
@@ -97,9 +110,7 @@ def matrix(tmp_path_factory) -> Path:
                 "flags": [*flags, *opt_flags, "--resume", ckpt],
                 "check": ckpt,
             }
-            if (source, target) != MUTATED_CELL:
-                continue
-            for mutation in MUTATIONS:
+            for mutation in mutations((source, target), opt):
                 resumes[ranks][_cell(source, target, opt, mutation)] = {
                     "flags": [*flags, *opt_flags, "--resume", ckpt],
                     "check": ckpt,
@@ -131,15 +142,18 @@ def check_state(matrix: Path, name: str, ranks: int) -> None:
     assert not mismatched, f"loaded state differs from the saved: {mismatched}"
 
 
-def check_curve(matrix: Path, source: str, target: str, opt: str, name: str) -> None:
-    src, tgt = _losses(matrix, f"{source}-{opt}"), _losses(matrix, f"{target}-{opt}")
-    resumed = _losses(matrix, name)
-    assert sorted(src) == sorted(tgt) == list(range(1, STEPS + 1))
-    assert sorted(resumed) == list(range(SAVE_AT + 1, STEPS + 1))
+def check_curve(
+    out: Path, source: str, target: str, name: str, save_at: int = SAVE_AT, steps: int = STEPS
+) -> None:
+    """Run ``name`` resumed at ``save_at`` from straight run ``source`` stays as close to straight
+    run ``target`` as ``source`` is (see the module docstring)."""
+    src, tgt, resumed = _losses(out, source), _losses(out, target), _losses(out, name)
+    assert sorted(src) == sorted(tgt) == list(range(1, steps + 1))
+    assert sorted(resumed) == list(range(save_at + 1, steps + 1))
     straight_gap, report, worst = 0.0, [], 0.0
-    for step in range(1, STEPS + 1):
+    for step in range(1, steps + 1):
         straight_gap = max(straight_gap, abs(src[step] - tgt[step]))
-        if step <= SAVE_AT:
+        if step <= save_at:
             continue
         diff, tol = abs(resumed[step] - tgt[step]), max(1e-6, 2 * straight_gap)
         worst = max(worst, diff / tol)
@@ -158,18 +172,25 @@ def test_resumed_state_is_the_saved_state_bitwise(matrix, source, target, opt):
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 @pytest.mark.parametrize(("source", "target"), CELLS, ids=[f"{s}->{t}" for s, t in CELLS])
 def test_resumed_curve_follows_the_straight_run_at_the_target(matrix, source, target, opt):
-    check_curve(matrix, source, target, opt, _cell(source, target, opt))
+    check_curve(matrix, f"{source}-{opt}", f"{target}-{opt}", _cell(source, target, opt))
 
 
-@pytest.mark.parametrize("opt", list(OPTIMIZERS))
-@pytest.mark.parametrize("mutation", MUTATIONS)
-def test_a_changed_loaded_state_fails_both_checks(matrix, mutation, opt):
-    source, target = MUTATED_CELL
+def test_every_cell_and_optimizer_has_a_negative_control():
+    assert {(cell, opt) for cell, opt, _ in CONTROLS} == {(c, o) for c in CELLS for o in OPTIMIZERS}
+    for cell in CELLS:
+        assert {m for c, _, m in CONTROLS if c == cell} == set(MUTATIONS), cell
+
+
+@pytest.mark.parametrize(
+    ("cell", "opt", "mutation"), CONTROLS, ids=[f"{s}->{t}-{o}-{m}" for (s, t), o, m in CONTROLS]
+)
+def test_a_changed_loaded_state_fails_both_checks(matrix, cell, opt, mutation):
+    source, target = cell
     name = _cell(source, target, opt, mutation)
     with pytest.raises(AssertionError, match="loaded state differs from the saved"):
         check_state(matrix, name, LAYOUTS[target][0])
     with pytest.raises(AssertionError, match="resumed - target"):
-        check_curve(matrix, source, target, opt, name)
+        check_curve(matrix, f"{source}-{opt}", f"{target}-{opt}", name)
 
 
 # ------------------------------------------------------------- token windows (--dataset tokens:)
@@ -197,22 +218,28 @@ def _token_dir(folder: Path, count: int = 40_000, vocab: int = 64) -> Path:
 @pytest.mark.slow  # the README's test command stays under 15 minutes
 def test_token_windows_resume_at_another_world_size(tmp_path):
     """The memory-mapped windows' order is a bijection computed per index, the same at every
-    world size: 2 ranks save at step 6, 4 ranks resume (across the epoch boundary at step 9)."""
-    from conftest import GPT_TINY, train
+    world size: 2 ranks save at step 6, 4 ranks resume (across the epoch boundary at step 9) with
+    the saved state, bit for bit, and the 4-rank straight run's curve; the same resume with the
+    data position one global batch on (a batch of windows skipped) fails both checks."""
+    from conftest import GPT_TINY
 
     tokens = _token_dir(tmp_path / "tokens")
     common = [*GPT_TINY, "--vocab-size", "64", "--dataset", f"tokens:{tokens}", "--dropout", "0",
               "--global-batch-size", "256", "--max-steps", "11", "--log-every-steps", "1",
               "--optimizer", "adam", "--progress", "off"]  # fmt: skip
-    two = train(tmp_path, *common, "--nproc-per-node", "2", "--ckpt-dir", str(tmp_path / "ck"),
-                "--ckpt-every-steps", "6", "--keep-last", "0", name="two")  # fmt: skip
-    four = train(tmp_path, *common, "--nproc-per-node", "4", name="four")
-    resumed = train(tmp_path, *common, "--nproc-per-node", "4", "--resume",
-                    str(tmp_path / "ck" / "step-6"), name="resumed")  # fmt: skip
-    src, tgt = two.step_losses, four.step_losses
-    assert len(src) == len(tgt) == 11 and len(resumed.step_losses) == 5
-    assert {r["epoch"] for r in four.events("step")} == {1, 2}  # 9 steps an epoch
-    gap = max(abs(a - b) for a, b in zip(src[:6], tgt[:6], strict=True))
-    for step, loss in enumerate(resumed.step_losses, start=7):
-        gap = max(gap, abs(src[step - 1] - tgt[step - 1]))
-        assert abs(loss - tgt[step - 1]) <= max(1e-6, 2 * gap), (step, loss, tgt[step - 1], gap)
+    ckpt = str(tmp_path / "ck" / "step-6")
+    save = ["--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every-steps", "6", "--keep-last", "0"]
+    run_variants(tmp_path, 2, {"two": {"flags": save}}, common)
+    resume = {"flags": ["--resume", ckpt], "check": ckpt}
+    run_variants(tmp_path, 4, {"four": {"flags": []}, "resumed": resume,
+                               "resumed-data": {**resume, "mutate": "data"}}, common)  # fmt: skip
+    assert {r["epoch"] for r in read_metrics(tmp_path / "four.jsonl") if r["event"] == "step"} == {
+        1,
+        2,
+    }
+    check_state(tmp_path, "resumed", 4)
+    check_curve(tmp_path, "two", "four", "resumed", save_at=6, steps=11)
+    with pytest.raises(AssertionError, match="loaded state differs from the saved"):
+        check_state(tmp_path, "resumed-data", 4)
+    with pytest.raises(AssertionError, match="resumed - target"):
+        check_curve(tmp_path, "two", "four", "resumed-data", save_at=6, steps=11)

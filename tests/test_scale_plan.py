@@ -1,9 +1,11 @@
-"""``fsdp2lab plan`` against real runs here: the same sharded state, byte for byte, as the
-trainer reports, and the same peak tensor memory as the same tracker measures on real CPU ranks."""
+"""``fsdp2lab plan`` against real runs here: the trainer's own steps on CPU ranks (gloo),
+measured by torch's profiler (tests/scripts/scale_measure.py), not by anything the plan
+simulates with; and the sharded state, byte for byte, as the trainer reports it."""
 
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -18,18 +20,27 @@ from fsdp2lab.scale.simulate import simulate, stage_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 MEASURE = ROOT / "tests" / "scripts" / "scale_measure.py"
-GPT = [*GPT_TINY, "--d-model", "64", "--seq-len", "64", "--batch-size", "4", "--optimizer", "adamw"]
+# --max-grad-norm: every step takes the gradient norm (its all-reduce), as the plan models it
+GPT = [*GPT_TINY, "--d-model", "64", "--seq-len", "64", "--batch-size", "4", "--optimizer", "adamw",
+       "--max-grad-norm", "1.0"]  # fmt: skip
 USER = ["--model", str(ROOT / "examples" / "my_model.py:build"), "--model-args", "width=64,depth=4",
-        "--input-shape", "1,28,28", "--batch-size", "8", "--optimizer", "adamw"]  # fmt: skip
+        "--input-shape", "1,28,28", "--batch-size", "8", "--optimizer", "adamw",
+        "--max-grad-norm", "1.0"]  # fmt: skip
+MLP = ["--model", "mlp", "--batch-size", "16", "--optimizer", "adamw", "--max-grad-norm", "1.0"]
+CNN = ["--model", "cnn", "--batch-size", "16", "--optimizer", "adam", "--max-grad-norm", "1.0"]
+# The gradient norm's all-reduce over a one-rank data-parallel group: gloo runs it, the plan
+# counts only collectives between ranks.
+ONE_RANK_NORM = {"all_reduce": [1, 4]}
 
 
 def plan_of(world: int, flags: list[str]):
     return resolve(config_from_args(build_parser().parse_args(["train", *flags])), world)
 
 
-def measure(world: int, flags: list[str]) -> dict:
-    """The real run's tracked peak and state on rank 0 (``world`` gloo ranks on this machine);
-    under --pp, ``{"stages": [...]}``: those of each stage's first rank."""
+def measure(world: int, flags: list[str]) -> list[dict]:
+    """For the first rank of each pipeline stage (one without --pp) of a real run on ``world``
+    gloo ranks: the optimizer state its first step made, and each measured step's allocator
+    peak and gloo collectives (tests/scripts/scale_measure.py)."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -38,6 +49,9 @@ def measure(world: int, flags: list[str]) -> dict:
             "--standalone",
             f"--nproc-per-node={world}",
             str(MEASURE),
+            *TINY,
+            "--device",
+            "cpu",
             *flags,
         ],  # fmt: skip
         env=cli_env(),
@@ -46,92 +60,117 @@ def measure(world: int, flags: list[str]) -> dict:
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])["stages"]
 
 
-# The real peak is the smallest of up to REPEATS runs. Gloo frees some buffers on its own thread;
-# a machine busy with other jobs delays those frees, which can only keep more memory live at each
-# point of the step, never less: the cnn per layer measured -7.1% in every quiet run and -17.0%
-# once under load (docs/scale.md).
-REPEATS = 3
+def on_gloo(plan, role) -> dict[str, list[int]]:
+    """The plan's collectives as gloo runs them, summed over mesh dimensions: {kind: [calls,
+    input bytes]}. gloo has no reduce-scatter: torch runs it as an all-reduce of its input; an
+    all-gather's input is 1/n of the output the plan counts."""
+    sizes = dict(plan.dims.named_dims())
+    out: dict[str, list[int]] = {}
+    for dim, kinds in role.comm.items():
+        for kind, c in kinds.items():
+            nbytes = c.tensor_bytes // sizes[dim] if kind == "all_gather" else c.tensor_bytes
+            entry = out.setdefault("all_reduce" if kind == "reduce_scatter" else kind, [0, 0])
+            entry[0] += c.calls
+            entry[1] += nbytes
+    return out
+
+
+def _add(comm: dict, extra: dict) -> dict:
+    return {k: [a + b for a, b in zip(comm.get(k, [0, 0]), extra.get(k, [0, 0]), strict=True)]
+            for k in {*comm, *extra}}  # fmt: skip
+
+
+# (world, flags, collectives the plan leaves out, plan peak / real peak for each stage). The
+# ratio is this machine's: the plan tracks tensors as FSDP2's memory tracker sees them, the real
+# run counts every byte the CPU allocator hands out; each case is pinned to its own, within 2%.
+# Where the real median itself moves between runs (gloo's threads free their buffers late, by up
+# to 9% of these small peaks), the stage's entry is the (low, high) band of the ratios measured
+# over repeated runs here, each end 1% wider.
 CASES = [
-    pytest.param(2, GPT, id="gpt-fsdp2-2"),
-    pytest.param(1, GPT, id="gpt-fsdp2-1", marks=pytest.mark.slow),
-    pytest.param(4, GPT, id="gpt-fsdp2-4", marks=pytest.mark.slow),
-    pytest.param(4, [*GPT, "--dp-replicate", "2"], id="gpt-hsdp-2x2", marks=pytest.mark.slow),
-    pytest.param(2, [*GPT, "--tp", "2"], id="gpt-tp-2", marks=pytest.mark.slow),
+    pytest.param(2, GPT, {}, (1.000,), id="gpt-fsdp2-2"),
+    # the user model's real peak varies with the machine's load (docs/scale.md): slow only
+    pytest.param(2, USER, {}, ((0.937, 1.006),), id="user-fsdp2-2", marks=pytest.mark.slow),
+    pytest.param(1, GPT, ONE_RANK_NORM, (1.000,), id="gpt-fsdp2-1", marks=pytest.mark.slow),
+    pytest.param(4, GPT, {}, (1.000,), id="gpt-fsdp2-4", marks=pytest.mark.slow),
+    pytest.param(
+        4, [*GPT, "--dp-replicate", "2"], {}, (1.000,), id="gpt-hsdp-2x2", marks=pytest.mark.slow
+    ),  # fmt: skip
+    pytest.param(2, [*GPT, "--tp", "2"], {}, (1.001,), id="gpt-tp-2", marks=pytest.mark.slow),
     pytest.param(
         2,
         [*GPT, "--activation-checkpointing", "full", "--mixed-precision", "bf16"],
+        {},
+        ((0.873, 0.973),),
         id="gpt-fsdp2-2-ac-bf16",
         marks=pytest.mark.slow,
     ),  # fmt: skip
-    pytest.param(2, USER, id="user-fsdp2-2"),
+    pytest.param(2, MLP, {}, (0.937,), id="mlp-fsdp2-2", marks=pytest.mark.slow),
+    pytest.param(2, CNN, {}, (0.931,), id="cnn-fsdp2-2", marks=pytest.mark.slow),
     pytest.param(
-        2,
-        ["--model", "mlp", "--batch-size", "16", "--optimizer", "adamw"],
-        id="mlp-fsdp2-2",
+        4,
+        [*USER, "--dp-replicate", "2"],
+        {},
+        ((0.927, 1.019),),
+        id="user-hsdp-2x2",
         marks=pytest.mark.slow,
     ),  # fmt: skip
-    pytest.param(
-        2,
-        ["--model", "cnn", "--batch-size", "16", "--optimizer", "adam"],
-        id="cnn-fsdp2-2",
-        marks=pytest.mark.slow,
-    ),  # fmt: skip
-    pytest.param(4, [*USER, "--dp-replicate", "2"], id="user-hsdp-2x2", marks=pytest.mark.slow),
     # --pp: every stage planned (its own rank role) and measured on the real Pipeline
     pytest.param(
-        2, [*GPT, "--pp", "2", "--pp-schedule", "1f1b"], id="gpt-pp-2-1f1b", marks=pytest.mark.slow
+        2,
+        [*GPT, "--pp", "2", "--pp-schedule", "1f1b"],
+        ONE_RANK_NORM,
+        (1.017, 0.976),
+        id="gpt-pp-2-1f1b",
+        marks=pytest.mark.slow,
     ),  # fmt: skip
     pytest.param(
         2,
         [*GPT, "--pp", "2", "--pp-schedule", "gpipe"],
+        ONE_RANK_NORM,
+        (1.023, 1.001),
         id="gpt-pp-2-gpipe",
         marks=pytest.mark.slow,
     ),  # fmt: skip
     pytest.param(
         4,
         [*GPT, "--pp", "2", "--pp-schedule", "1f1b"],
+        {},
+        (1.021, 0.970),
         id="gpt-pp-2-fsdp2-2-1f1b",
         marks=pytest.mark.slow,
     ),  # fmt: skip
-    pytest.param(4, [*GPT, "--pp", "2", "--tp", "2"], id="gpt-pp-2-tp-2", marks=pytest.mark.slow),
+    pytest.param(
+        4,
+        [*GPT, "--pp", "2", "--tp", "2"],
+        {},
+        ((0.978, 1.012), (0.914, 0.989)),
+        id="gpt-pp-2-tp-2",
+        marks=pytest.mark.slow,
+    ),  # fmt: skip
 ]
 
 
-@pytest.mark.parametrize("world, flags", CASES)
-def test_plan_matches_real_run(world, flags):
-    """State bytes and collectives (calls and bytes by mesh dimension) equal in every real run;
-    peak tensor memory within 10% of the real peak (the same tracker, real tensors, gloo; the
-    smallest of up to REPEATS runs); under --pp, for every stage."""
+@pytest.mark.parametrize("world, flags, left_out, ratios", CASES)
+def test_plan_matches_real_trainer(world, flags, left_out, ratios):
+    """The real trainer's steps against the plan, for every stage: the optimizer state its first
+    step makes (allocator bytes) and each step's collectives (gloo's own records: calls and
+    bytes by kind) equal; the median peak of STEPS steps at the case's own ratio, within 2%."""
     plan = plan_of(world, flags)
     planned = [simulate(plan, rank=rank, device_type="cpu") for rank in stage_ranks(plan)]
-    best: list[dict] = []
-    for _ in range(REPEATS):
-        real = measure(world, flags)
-        reals = real["stages"] if plan.dims.pp > 1 else [real]
-        assert len(reals) == len(planned)
-        for p, r in zip(planned, reals, strict=True):
-            assert p.state == r["state"], (p.stage, p.state, r["state"])
-            comm = {
-                d: {k: [c.calls, c.tensor_bytes] for k, c in kinds.items()}
-                for d, kinds in p.comm.items()
-            }
-            assert comm == r["comm"], (p.stage, comm, r["comm"])
-        best = [
-            min(pair, key=lambda r: r["peak_bytes"])
-            for pair in zip(best or reals, reals, strict=True)
-        ]
-        if all(_within(p, r) for p, r in zip(planned, best, strict=True)):
-            break
-    for p, r in zip(planned, best, strict=True):
-        assert _within(p, r), (p.stage, p.peak_bytes, r["peak_bytes"], p.peak_by_category,
-                               r["by_category"])  # fmt: skip
-
-
-def _within(planned, real: dict) -> bool:
-    return abs(planned.peak_bytes - real["peak_bytes"]) <= 0.10 * real["peak_bytes"]
+    real = measure(world, flags)
+    assert len(real) == len(planned) == len(ratios)
+    for p, r, ratio in zip(planned, real, ratios, strict=True):
+        assert r["optimizer_state_bytes"] == p.state["optimizer_state_bytes"], p.stage
+        expected = _add(on_gloo(plan, p), left_out)
+        for step in r["steps"]:
+            assert step["comm"] == expected, (p.stage, step["comm"], expected)
+        peak = statistics.median(step["peak_bytes"] for step in r["steps"])
+        low, high = ratio if isinstance(ratio, tuple) else (ratio * 0.98, ratio * 1.02)
+        assert low <= p.peak_bytes / peak <= high, (
+            p.stage, p.peak_bytes / peak, [step["peak_bytes"] for step in r["steps"]])  # fmt: skip
 
 
 def test_plan_state_equals_trainer_metrics(tmp_path):

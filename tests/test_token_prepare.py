@@ -5,6 +5,7 @@ Needs tokenizers (a dev dependency); the parquet case needs pyarrow (the data ex
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import tmpfs
 from fsdp2lab import cli
 from fsdp2lab.data import tokens
 
@@ -247,3 +249,22 @@ def test_pieces_give_the_whole_texts_tokens_for_pre_tokenizers_that_start_words_
     parts = list(tokens.pieces(text, 97))
     assert len(parts) > 100
     assert [i for p in parts for i in tok.encode(p).ids] == tok.encode(text).ids
+
+
+def test_a_full_disk_is_one_line_and_the_folder_stays_as_it_was(tokenizer, tmp_path, capsys):
+    """A real ENOSPC (a 64 KB tmpfs): the error names the file, and the last prepare stays."""
+    corpus = tmp_path / "big.txt"
+    corpus.write_text(" ".join(documents(3000)))  # ~110 KB of uint16 tokens: past the disk
+    with tmpfs(tmp_path / "disk", "64k") as disk:
+        out = disk / "out"
+        assert prepare(tokenizer, out, good_corpus(tmp_path)) == 0
+        before = snapshot(out)
+        capsys.readouterr()
+        assert prepare(tokenizer, out, corpus) == 2
+        err = capsys.readouterr().err
+        assert re.fullmatch(
+            rf"fsdp2lab: error: --out {out}: cannot write the token file \({out}: No space left "
+            rf"on device\); nothing in {out} changed\n",
+            err,
+        ), err
+        assert snapshot(out) == before

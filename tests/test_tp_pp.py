@@ -154,6 +154,14 @@ def test_pp_with_tp_mlp2_four_ranks(tmp_path, reference):
     assert_state_bytes(got, "mlp2", tp=2)
 
 
+@pytest.mark.slow
+def test_pp_with_tp_gpt_four_ranks(tmp_path, reference):
+    """The last stage's logits sharded on the vocabulary, the loss vocabulary-parallel."""
+    got = run(tmp_path, "gpt", "--nproc-per-node", "4", "--pp", "2", "--tp", "2")
+    assert_parity(got, reference("gpt"))
+    assert got.summary["label"] == "pp2+tp2"
+
+
 @pytest.mark.compat
 def test_pp_cnn_with_gradient_accumulation(tmp_path, reference):
     args = [

@@ -64,6 +64,20 @@ class TrainConfig:
     dropout: float | None = _opt(
         None, "override every dropout probability (0 for exact parity runs)"
     )
+    lora_rank: int | None = _opt(
+        None,
+        "train LoRA adapters of rank R (PEFT) on a frozen base instead of every weight "
+        "(needs the hf extra)",
+        metavar="R",
+    )
+    lora_alpha: float | None = _opt(None, "LoRA scaling numerator alpha (default: 2 x rank)")
+    lora_dropout: float = _opt(0.0, "LoRA dropout on the adapters' input")
+    lora_targets: str | None = _opt(
+        None,
+        "LoRA: comma-separated module names or name suffixes to adapt (default for hf: the "
+        "model type's attention and MLP projections, e.g. q_proj,...,down_proj)",
+        metavar="NAMES",
+    )
     n_layers: int = _opt(4, "gpt: transformer blocks")
     d_model: int = _opt(128, "gpt: embedding width")
     n_heads: int = _opt(4, "gpt: attention heads")
@@ -424,7 +438,7 @@ _BOUNDS: dict[str, tuple[float | None, float | None, bool]] = {
             "global_batch_size", "batch_size", "test_batch_size", "grad_accum_steps", "epochs",
             "dp_replicate", "tp", "pp", "pp_microbatches", "fsdp1_min_params",
             "fsdp_unit_min_params", "ckpt_every_steps", "nproc_per_node", "num_classes",
-            "log_every_steps", "eval_every_steps", "profile_steps",
+            "log_every_steps", "eval_every_steps", "profile_steps", "lora_rank",
         )
     },
     **{name: (0, None, True) for name in ("lr", "weight_decay", "warmup_steps", "num_workers", "seed", "prefetch", "keep_last", "max_steps")},
@@ -433,6 +447,8 @@ _BOUNDS: dict[str, tuple[float | None, float | None, bool]] = {
     "max_grad_norm": (0, None, False),
     "momentum": (0, 1, True),
     "dropout": (0, 1, True),
+    "lora_dropout": (0, 1, True),
+    "lora_alpha": (0, None, False),
 }  # fmt: skip
 
 
@@ -474,6 +490,10 @@ def validate_basic(cfg: TrainConfig) -> None:
         raise UsageError(f"--target-accuracy must be in (0, 1] or (1, 100] (percent), got {a}")
     if cfg.dataset == "text" and not cfg.text_file:
         raise UsageError("--dataset text needs --text-file PATH")
+    if cfg.lora_rank is None:
+        for name in ("lora_alpha", "lora_targets"):
+            if getattr(cfg, name) is not None:
+                raise UsageError(f"--{name.replace('_', '-')} needs --lora-rank R")
     if not cfg.ckpt_dir:
         for name in ("ckpt_every_steps", "async_checkpoint"):
             if getattr(cfg, name):

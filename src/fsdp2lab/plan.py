@@ -23,7 +23,7 @@ import torch.nn as nn
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.data import tokens
 from fsdp2lab.errors import UsageError
-from fsdp2lab.models import get_spec
+from fsdp2lab.models import get_spec, lora
 from fsdp2lab.models.materialize import build_on_meta
 from fsdp2lab.models.spec import ModelSpec, logits_of
 from fsdp2lab.models.user import is_reference, load_object
@@ -71,6 +71,8 @@ def resolve(cfg: TrainConfig, world_size: int, device_type: str | None = None) -
             message += " (it places layers on the devices of one process)"
         raise UsageError(message)
     strategy.check(cfg)
+    if cfg.lora_rank is not None:
+        lora.check(cfg)
     if (cfg.compile or cfg.activation_checkpointing != "none") and cfg.strategy in (
         "fsdp1",
         "model-parallel",
@@ -96,6 +98,8 @@ def resolve(cfg: TrainConfig, world_size: int, device_type: str | None = None) -
     )  # the model's own checks, at no memory cost
     units = tuple(spec.units(model))
     _check_names(model, units, "sharding unit")
+    if cfg.lora_rank is not None:  # adapters on the meta model: sharded with their layer
+        cfg, spec, model = _with_lora(cfg, spec, model)
     if is_reference(cfg.model) and not is_reference(cfg.dataset):  # yours: checked when loaded
         classify = spec.task == "classify"
         classes = spec.num_classes if classify else cfg.vocab_size
@@ -147,6 +151,19 @@ def resolve(cfg: TrainConfig, world_size: int, device_type: str | None = None) -
         loss=_loss(cfg, spec),
         meta_model=model,
     )
+
+
+def _with_lora(
+    cfg: TrainConfig, spec: ModelSpec, model: nn.Module
+) -> tuple[TrainConfig, ModelSpec, nn.Module]:
+    """LoRA adapters injected into the meta ``model`` (base frozen, in :func:`lora.base_dtype`),
+    their defaults filled in ``cfg``, and ``spec`` loading the base then initialising them."""
+    targets = lora.targets(cfg, model)
+    alpha = cfg.lora_alpha if cfg.lora_alpha is not None else 2.0 * cfg.lora_rank
+    cfg = dataclasses.replace(cfg, lora_alpha=alpha, lora_targets=",".join(targets))
+    model = lora.apply_lora(model, cfg, lora.base_dtype(cfg, spec.source))
+    spec = dataclasses.replace(spec, load_weights=lora.with_adapters(spec.load_weights, cfg.seed))
+    return cfg, spec, model
 
 
 def check_machine(plan: RunPlan) -> None:

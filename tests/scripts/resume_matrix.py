@@ -73,8 +73,9 @@ class Mutate(Hooks):
     def before_fit(self, trainer) -> None:
         st, batch = trainer.state, trainer.plan.global_batch
         if self.what == "optim-row":
-            param = next(p for p in trainer.model.parameters() if p.dim() == 2)
-            state = trainer.optimizer.state[param]
+            states = trainer.optimizer.state  # a trained matrix (frozen ones have no state)
+            param = next(p for p in trainer.model.parameters() if p.dim() == 2 and states.get(p))
+            state = states[param]
             key = next(k for k in ("exp_avg_sq", "square_avg", "momentum_buffer") if k in state)
             local = state[key].to_local() if isinstance(state[key], DTensor) else state[key]
             if trainer.runtime.rank == 0:  # row 0 of the full tensor

@@ -1,12 +1,17 @@
-"""One rank of a real CPU run (gloo) measured by the tracker and counter ``fsdp2lab plan``
-simulates with: the trainer's model (``build_model``) and optimizer, a tracked steady step of
-``scale.simulate.train_step``. Rank 0 prints one JSON line: peak tensor bytes, by category, its
-sharded state, and its collectives (calls and bytes by mesh dimension).
+"""One rank of a real CPU run (gloo): the trainer's own steps (``Trainer.train_step``, as
+``fit`` runs them), measured by torch's profiler, not by anything ``fsdp2lab plan`` simulates with.
 
-Under ``--pp`` each rank's stage runs the trainer's :class:`fsdp2lab.parallel.pp.Pipeline` (torch's
-schedule, activations and gradients sent between real ranks): one untracked step first (the
-schedule infers the shapes sent between stages from it), then the tracked one. Rank 0 prints
-``{"stages": [...]}``: the same figures for the first rank of each stage.
+* collectives: the events the gloo backend itself records (``gloo:all_gather``, ...), each with
+  its input's shape and dtype;
+* memory: the CPU allocator's running total of the bytes it has handed out (``profile_memory``:
+  ``Total Allocated`` at each allocation and free), plus the parameter and buffer storages made
+  before the profiler started (counted here, each storage once).
+
+One warm-up step (the optimizer state made; under ``--pp`` the schedule's shapes inferred), then
+``STEPS`` steps, each after a barrier and measured on its own. Rank 0 prints one JSON line,
+``{"stages": [...]}``, for the first rank of each pipeline stage (one entry without ``--pp``):
+``{"optimizer_state_bytes": ..., "steps": [{"peak_bytes": ..., "comm": {kind: [calls, input
+bytes]}}, ...]}``.
 
 torchrun --nproc-per-node N tests/scripts/scale_measure.py TRAIN_FLAGS...
 """
@@ -16,20 +21,93 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from fsdp2lab.cli import build_parser
 from fsdp2lab.config import config_from_args
-from fsdp2lab.parallel.pp import Pipeline
-from fsdp2lab.parallel.strategies import build_model
-from fsdp2lab.plan import resolve
-from fsdp2lab.runtime.distributed import exit_process
-from fsdp2lab.runtime.mesh import build_mesh
-from fsdp2lab.scale.simulate import StepCounter, _batch, _group_dims, track, train_step
-from fsdp2lab.training.metrics import state_bytes
-from fsdp2lab.training.optim import build_optimizer
+from fsdp2lab.runtime.distributed import Runtime, exit_process
+from fsdp2lab.training.trainer import Trainer
+
+STEPS = 3
+_ITEM = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8, "int": 4,
+         "unsigned char": 1, "bool": 1}  # fmt: skip
+
+
+def storage_bytes(model: torch.nn.Module) -> int:
+    """The bytes of the storages behind the model's parameters and buffers (a DTensor's local
+    shard), each storage once."""
+    seen: dict[int, int] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        storage = local.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def step_figures(events: list[dict], name: str, base: int, optimizer_state: int) -> dict:
+    """The gloo collectives inside record range ``name``, and the peak of live tensor bytes in it:
+    the parameters and buffers (``base``), the optimizer state, the last step's gradients (what
+    the step's ``zero_grad`` frees) and the most the allocator's total rises above its value at
+    the step's start. (Under load, gloo's threads may let go of a step's buffers only steps
+    later: the total at a step's start then holds them too, and is not counted as such.)"""
+    start, end = _range(events, name)
+    zero_start, zero_end = _range(events, "Optimizer.zero_grad#", start)
+    peak, comm, at_start, grads = 0, {}, 0, 0
+    for e in _allocations(events):
+        if e["ts"] < start:
+            at_start = e["args"]["Total Allocated"]
+        elif e["ts"] <= end:
+            peak = max(peak, e["args"]["Total Allocated"])
+            if zero_start <= e["ts"] <= zero_end and e["args"]["Bytes"] < 0:
+                grads -= e["args"]["Bytes"]
+    for e in events:
+        name = e.get("name", "")
+        if start <= e.get("ts", -1) <= end and name.startswith("gloo:") and e.get("ph") == "X":
+            args = e["args"]
+            nbytes = 0
+            for dims, dtype in zip(args["Input Dims"], args["Input type"], strict=True):
+                numel = 1
+                for d in dims:
+                    numel *= d
+                nbytes += numel * _ITEM[dtype]
+            entry = comm.setdefault(name.removeprefix("gloo:"), [0, 0])
+            entry[0] += 1
+            entry[1] += nbytes
+    return {"peak_bytes": base + optimizer_state + grads + peak - at_start, "comm": comm}
+
+
+def _range(events: list[dict], prefix: str, after: float = 0) -> tuple[float, float]:
+    """(start, end) of the first record range named ``prefix...`` that starts at ``after`` or
+    later."""
+    e = next(
+        e
+        for e in events
+        if e.get("ph") == "X" and e.get("name", "").startswith(prefix) and e["ts"] >= after
+    )
+    return e["ts"], e["ts"] + e["dur"]
+
+
+def created_by_first_step(events: list[dict]) -> int:
+    """The bytes the optimizer's first step leaves allocated (its state): the allocator's total
+    at the end of the first ``Optimizer.step#...`` range less that at its start."""
+    start, end = _range(events, "Optimizer.step#")
+    before = after = 0
+    for e in _allocations(events):  # in time order
+        if e["ts"] < start:
+            before = e["args"]["Total Allocated"]
+        if e["ts"] <= end:
+            after = e["args"]["Total Allocated"]
+    return after - before
+
+
+def _allocations(events: list[dict]) -> list[dict]:
+    """The CPU allocator's events (each allocation and free), in time order."""
+    cpu = [e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0]
+    return sorted(cpu, key=lambda e: e["ts"])
 
 
 def main() -> None:
@@ -37,38 +115,34 @@ def main() -> None:
     cfg = config_from_args(args)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    plan = resolve(cfg, world)
-    mesh = build_mesh(plan.dims, "cpu")
-    device = torch.device("cpu")
-    model = build_model(plan, mesh, device)
-    optimizer = build_optimizer(model.parameters(), plan.cfg)
-    torch.manual_seed(rank)
-    pipeline = None
-    if plan.dims.pp > 1:
-        pipeline = Pipeline(model, mesh, device, plan.n_microbatches, plan.cfg.pp_schedule)
-        train_step(plan, model, optimizer, lambda: _batch(plan), pipeline=pipeline)
-        optimizer.zero_grad(set_to_none=True)
-    counter = StepCounter(_group_dims(mesh))
-    peak, by_category = track(
-        plan, model, optimizer, lambda: _batch(plan), (counter,), pipeline=pipeline
-    )
+    runtime = Runtime(rank, world, int(os.environ["LOCAL_RANK"]), torch.device("cpu"), "gloo")
+    trainer = Trainer(cfg, runtime)
+    trainer.sampler.set_epoch(1, 0)
+    batches = iter(trainer.loader)
+    base = storage_bytes(trainer.model)
+    with profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True
+    ) as prof:
+        trainer.train_step(batches)
+        for i in range(STEPS):
+            dist.barrier()
+            with record_function(f"measured step {i}"):
+                trainer.train_step(batches)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    state = created_by_first_step(events)
     result = {
-        "peak_bytes": peak,
-        "by_category": by_category,
-        "state": state_bytes(model, optimizer),
-        "comm": {
-            dim: {kind: [c.calls, c.tensor_bytes] for kind, c in kinds.items()}
-            for dim, kinds in counter.comm.items()
-        },
+        "optimizer_state_bytes": state,
+        "steps": [step_figures(events, f"measured step {i}", base, state) for i in range(STEPS)],
     }
-    if pipeline is not None:
-        result["stage"] = pipeline.stage_index
-        results: list = [None] * world
-        dist.all_gather_object(results, result)
-        per_stage = world // plan.dims.pp
-        result = {"stages": results[::per_stage]}
+    results: list = [None] * world
+    dist.all_gather_object(results, result)
     if rank == 0:
-        print(json.dumps(result))
+        per_stage = world // trainer.plan.dims.pp
+        print(json.dumps({"stages": results[::per_stage]}))
     dist.barrier()
     dist.destroy_process_group()
 

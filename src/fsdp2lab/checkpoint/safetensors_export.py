@@ -51,8 +51,10 @@ from fsdp2lab.runtime.torch_compat import SafeFileSystemReader, SafeLoadPlanner
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # PEFT's adapter folder
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # save_pretrained's "5GB"
 HF_HINT = 'pip install -e ".[hf]"'
+FILE_METADATA = {"format": "pt"}  # what save_pretrained writes in a file's __metadata__
 _SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 _DTYPES: dict[torch.dtype, str] = {
@@ -236,15 +238,30 @@ def parse_size(text: str) -> int:
     return size
 
 
-def _hf_model_info(hf_config: dict, entries: list[Entry]) -> tuple[object, dict[str, str]]:
-    """The transformers config to write, and which names are tied to which (from the model
-    built on the meta device). A UsageError when the checkpoint does not fit the model."""
+def meta_hf_model(model_type: str, settings: dict) -> tuple[object, torch.nn.Module]:
+    """The transformers config of ``model_type`` with ``settings``, and its causal LM built on the
+    meta device (``architectures`` filled in). A UsageError when transformers cannot build it."""
     try:
         import transformers
     except ImportError:
         raise UsageError(
             f"exporting with a Hugging Face config needs transformers: {HF_HINT}"
         ) from None
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **settings)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UsageError(f"no Hugging Face causal LM from this config: {first}") from None
+    if not getattr(config, "architectures", None):
+        config.architectures = [type(model).__name__]
+    return config, model
+
+
+def _hf_model_info(hf_config: dict, entries: list[Entry]) -> tuple[object, dict[str, str]]:
+    """The transformers config to write, and which names are tied to which (from the model
+    built on the meta device). A UsageError when the checkpoint does not fit the model."""
     settings = dict(hf_config)
     model_type = settings.pop("model_type", None)
     if not model_type:
@@ -256,15 +273,7 @@ def _hf_model_info(hf_config: dict, entries: list[Entry]) -> tuple[object, dict[
     if floats:
         widest = max(set(floats), key=lambda d: sum(e.nbytes for e in entries if e.dtype == d))
         settings["torch_dtype"] = str(widest).removeprefix("torch.")
-    try:
-        config = transformers.AutoConfig.for_model(model_type, **settings)
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config)
-    except Exception as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise UsageError(f"no Hugging Face causal LM from this config: {first}") from None
-    if not getattr(config, "architectures", None):
-        config.architectures = [type(model).__name__]
+    config, model = meta_hf_model(model_type, settings)
     owner: dict[int, str] = {}
     tied: dict[str, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -297,7 +306,8 @@ def _hf_model_info(hf_config: dict, entries: list[Entry]) -> tuple[object, dict[
 def _export_file(name: str) -> bool:
     """A file name a folder export writes."""
     companions = (CONFIG_FILE, GENERATION_FILE, *TOKENIZER_FILES, *TOKENIZER_EXTRAS)
-    return name in (SINGLE_FILE, INDEX_FILE, *companions) or bool(_SHARD_RE.fullmatch(name))
+    mine = (SINGLE_FILE, INDEX_FILE, *ADAPTER_FILES, *companions)
+    return name in mine or bool(_SHARD_RE.fullmatch(name))
 
 
 def _check_out_folder(out: Path, ckpt: layout.Checkpoint, run: dict) -> None:
@@ -351,7 +361,6 @@ def export_safetensors(
     ckpt = layout.find_checkpoint(source, [])
     entries = model_entries(ckpt)
     reader = _Reader(ckpt.path)
-    meta = {"format": "pt"}
     out = Path(out)
 
     def load(entry: Entry) -> torch.Tensor:
@@ -363,7 +372,7 @@ def export_safetensors(
                 f"{out}: a Hugging Face export is a folder (config.json and safetensors); "
                 "give a folder name, not a .safetensors file"
             )
-        write_safetensors(out, _file_order(entries), load, meta)
+        write_safetensors(out, _file_order(entries), load, FILE_METADATA)
         total = sum(e.nbytes for e in entries)
         return Exported(ckpt, [out], len(entries), total)
     if out.exists() and not out.is_dir():
@@ -382,7 +391,21 @@ def export_safetensors(
             "OUT.safetensors)"
         ) from None
     kept = [e for e in entries if e.name not in tied]
-    shards = plan_shards(kept, max_shard_size)
+    files, total = write_export_folder(out, ckpt, kept, load, config, max_shard_size)
+    return Exported(ckpt, files, len(kept), total, tied)
+
+
+def write_export_folder(
+    out: Path,
+    ckpt: layout.Checkpoint,
+    entries: list[Entry],
+    load: Callable[[Entry], torch.Tensor],
+    config: object | None,
+    max_shard_size: int,
+) -> tuple[list[Path], int]:
+    """``entries`` (each read by ``load`` in turn) as a ``save_pretrained`` folder ``out``, with
+    ``config.json`` and, with a config, the run's recorded companion files; written under a
+    temporary name and renamed into place. Returns (files, bytes of tensors)."""
     run = saved_run(ckpt)
     _check_out_folder(out, ckpt, run)
     companions = companion_sources(run) if config is not None else []
@@ -390,7 +413,8 @@ def export_safetensors(
     out.parent.mkdir(parents=True, exist_ok=True)
     out.mkdir()
     try:
-        files, total = _write_folder(out, shards, load, meta, config)
+        shards = plan_shards(entries, max_shard_size)
+        files, total = _write_folder(out, shards, load, FILE_METADATA, config)
         for source, name in companions:
             shutil.copyfile(source, out / name)
             files.append(out / name)
@@ -398,8 +422,7 @@ def export_safetensors(
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
-    files = [final / p.name for p in files]
-    return Exported(ckpt, files, len(kept), total, tied)
+    return [final / p.name for p in files], total
 
 
 def _write_folder(

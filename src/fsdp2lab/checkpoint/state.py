@@ -42,11 +42,22 @@ from fsdp2lab.checkpoint.layout import Checkpoint
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.data.tokens import TOKENIZER_FILES
 from fsdp2lab.errors import UsageError
+from fsdp2lab.models import lora
 from fsdp2lab.runtime.distributed import Runtime
 
 # Optimizer state keyed by parameter name (not by position in param_groups): the same keys
 # whatever the strategy or pipeline layout, so any layout can load what another saved.
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def state_dict_options(model: nn.Module) -> StateDictOptions:
+    """:data:`OPTIONS`; for a model with frozen parameters (a LoRA run's base) also
+    ``ignore_frozen_params``: a checkpoint holds what training changes, the base is read from its
+    folder again (its fingerprint checked: :func:`check_base`). Loading is then not strict about
+    the frozen keys; :func:`check_fits` checks the trainable ones, both ways."""
+    if all(p.requires_grad for p in model.parameters()):
+        return OPTIONS
+    return replace(OPTIONS, ignore_frozen_params=True, strict=False)
 
 
 class Checkpointable(Protocol):
@@ -77,6 +88,7 @@ MODEL, OPTIM, SCHEDULER, TRAIN_STATE, RUN, RANKS, SCALER = (
 )
 FULL_CONTENTS = [MODEL, OPTIM, SCHEDULER, TRAIN_STATE, RUN, RANKS]
 GENERATION_FILE = "generation_config.json"
+LORA_BASE = "lora_base"  # run info: a LoRA run's base folder and its fingerprint
 # Tokenizer files that decide no token ids (so not in a token file's hash), copied too.
 TOKENIZER_EXTRAS = ("added_tokens.json", "chat_template.jinja")
 
@@ -102,10 +114,36 @@ def run_info(trainer: Checkpointable) -> dict:
         info["hf_config"] = hf_config
     if trainer.plan.spec.source:  # a pretrained model's folder: export copies its tokenizer files
         info["hf_source"] = trainer.plan.spec.source
+    if cfg.lora_rank is not None:  # the frozen base is not saved: the folder it is read from
+        info[LORA_BASE] = lora_base(trainer.plan.spec.source)
     companions = companion_files(trainer.plan.spec.source, cfg.tokenizer)
     if companions:
         info["companions"] = companions
     return info
+
+
+def lora_base(source: str | None) -> dict | None:
+    """A LoRA run's base: its folder and :func:`~fsdp2lab.models.lora.fingerprint` (None: a model
+    built from the seed, which the seed rebuilds)."""
+    if source is None:
+        return None
+    return {"folder": source, "sha256": lora.fingerprint(source)}
+
+
+def check_base(trainer: Checkpointable, ckpt: Checkpoint) -> None:
+    """A UsageError (the same on every rank) when a LoRA checkpoint's base folder is not this
+    run's: its adapters were trained on other weights."""
+    saved = saved_run(ckpt).get(LORA_BASE)
+    if trainer.cfg.lora_rank is None or saved is None:
+        return
+    here = lora_base(trainer.plan.spec.source)
+    if here is None or here["sha256"] != saved.get("sha256"):
+        where = "a model built from the seed" if here is None else here["folder"]
+        raise UsageError(
+            f"checkpoint {ckpt.path} holds LoRA adapters of the base {saved.get('folder')} "
+            f"(fingerprint {str(saved.get('sha256'))[:12]}), not of this run's {where}"
+            + ("" if here is None else f" (fingerprint {here['sha256'][:12]})")
+        )
 
 
 def companion_files(source: str | None, tokenizer: str | None) -> dict[str, dict]:
@@ -175,7 +213,8 @@ def _loader_json(loader_state: dict) -> str | None:
 
 def capture(trainer: Checkpointable) -> dict:
     """The state dict to save. Tensors alias the live ones: save (or stage) it before training on."""
-    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=OPTIONS)
+    options = state_dict_options(trainer.model)
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=options)
     state = {
         MODEL: model_sd,
         OPTIM: optim_sd,
@@ -198,8 +237,11 @@ def saved_run(ckpt: Checkpoint) -> dict:
 def template(trainer: Checkpointable, ckpt: Checkpoint) -> dict:
     """The state dict to load into: the live tensors (DCP loads in place) and placeholders."""
     if OPTIM not in ckpt.contents:  # weights only (an imported state dict)
-        return {MODEL: get_model_state_dict(trainer.model)}
-    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=OPTIONS)
+        return {
+            MODEL: get_model_state_dict(trainer.model, options=state_dict_options(trainer.model))
+        }
+    options = state_dict_options(trainer.model)
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=options)
     state = {
         MODEL: model_sd,
         OPTIM: optim_sd,
@@ -231,14 +273,15 @@ def own_rank_keys(trainer: Checkpointable, ckpt: Checkpoint) -> dict:
 def apply(trainer: Checkpointable, loaded: dict) -> None:
     """Put loaded model, optimizer, scheduler and train state into ``trainer``."""
     if OPTIM not in loaded:
-        set_model_state_dict(trainer.model, loaded[MODEL])
+        options = state_dict_options(trainer.model)
+        set_model_state_dict(trainer.model, loaded[MODEL], options=options)
         return
     set_state_dict(
         trainer.model,
         trainer.optimizer,
         model_state_dict=loaded[MODEL],
         optim_state_dict=loaded[OPTIM],
-        options=OPTIONS,
+        options=state_dict_options(trainer.model),
     )
     trainer.scheduler.load_state_dict(loaded[SCHEDULER])
     # The schedule owns the learning rate: the groups take the rate it last set.

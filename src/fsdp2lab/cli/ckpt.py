@@ -20,7 +20,10 @@ def register(subparsers) -> None:
         "one file; any other OUT is a folder in Hugging Face's save_pretrained layout "
         "(model.safetensors or shards and their index; config.json with --hf-config, or from a "
         "Hugging Face model's run, which records its config: then a plain OUT is such a folder). "
-        "Safetensors are written one tensor at a time: the model is never held whole.",
+        "Safetensors are written one tensor at a time: the model is never held whole. A LoRA "
+        "run's checkpoint (--lora-rank) to a folder: a PEFT adapter folder "
+        "(adapter_config.json, adapter_model.safetensors), or with --merge the base model with "
+        "the adapters merged in.",
     )
     export.add_argument("ckpt", metavar="CKPT", help="DIR/step-N, or DIR for its newest")
     export.add_argument("out", metavar="OUT", help="OUT.pt, OUT.safetensors, or a folder")
@@ -43,6 +46,12 @@ def register(subparsers) -> None:
         default="5GB",
         metavar="SIZE",
         help="folder layout: shards of at most SIZE (5GB, 500MB, 2GiB); default 5GB",
+    )
+    export.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run's checkpoint: the base model with the adapters merged in, as a "
+        "save_pretrained folder in the base's dtype (default: a PEFT adapter folder)",
     )
     export.set_defaults(func=guarded(cmd_export))
     imp = sub.add_parser(
@@ -87,6 +96,8 @@ def _read_hf_config(path: str) -> dict:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
+    if _lora_folder_export(args):
+        return
     if _export_format(args) == "safetensors":
         from fsdp2lab.checkpoint.safetensors_export import export_safetensors, parse_size
 
@@ -105,6 +116,37 @@ def cmd_export(args: argparse.Namespace) -> None:
     ckpt, weights = export_checkpoint(args.ckpt, args.out)
     size = sum(t.numel() * t.element_size() for t in weights.values())
     print(f"exported {len(weights)} tensors ({size:,} bytes) of {ckpt.path} to {args.out}")
+
+
+def _lora_folder_export(args: argparse.Namespace) -> bool:
+    """A LoRA run's checkpoint to a folder: a PEFT adapter folder, or with ``--merge`` the merged
+    model. False for any other export (a LoRA run's adapters alone go to OUT.pt or
+    OUT.safetensors as any checkpoint's model does)."""
+    from fsdp2lab.checkpoint import layout
+    from fsdp2lab.checkpoint.lora_export import export_adapter, export_merged, is_lora
+
+    lora = is_lora(layout.find_checkpoint(args.ckpt, []))
+    if args.merge and not lora:
+        raise UsageError(f"--merge: {args.ckpt} is not a LoRA run's checkpoint (--lora-rank)")
+    if not lora or args.out.endswith((".pt", ".pth", ".safetensors")) or args.format == "torch":
+        if args.merge:
+            raise UsageError("--merge writes a folder: give a folder name for OUT")
+        return False
+    if args.hf_config:
+        raise UsageError("--hf-config: a LoRA run's export takes the config its run recorded")
+    if args.merge:
+        from fsdp2lab.checkpoint.safetensors_export import parse_size
+
+        done = export_merged(args.ckpt, args.out, parse_size(args.max_shard_size))
+        what = "the base model with the adapters merged in, as safetensors"
+    else:
+        done = export_adapter(args.ckpt, args.out)
+        what = "a PEFT adapter folder"
+    print(
+        f"exported {done.tensors} tensors ({done.total_bytes:,} bytes) of {done.ckpt.path} to "
+        f"{args.out} as {what} ({len(done.files)} files)"
+    )
+    return True
 
 
 def cmd_import(args: argparse.Namespace) -> None:

@@ -294,7 +294,7 @@ class _Writer:
             encoded[special] = iter(self.tokenizer.encode(texts, special) if texts else [])
         for _, before, after, special in self.batch:
             ids = np.asarray([*before, *next(encoded[special]), *after], dtype=self.dtype)
-            ids.tofile(self.file)
+            self.file.write(ids.data)  # an OSError with its errno, unlike ndarray.tofile
             self.count += len(ids)
             if len(ids):
                 self.max_id = max(self.max_id, int(ids.max()))
@@ -370,6 +370,12 @@ def prepare(
         (folder / HEADER).unlink(missing_ok=True)
         for name in names:
             os.replace(temporary[name], folder / name)
+    except OSError as e:  # a full or read-only disk, an unreadable input
+        where = Path(e.filename) if e.filename else folder
+        action = "write the token file" if folder in (where, *where.parents) else "read the input"
+        raise UsageError(
+            f"--out {out}: cannot {action} ({where}: {e.strerror}); nothing in {out} changed"
+        ) from e
     finally:
         for file in temporary.values():
             file.unlink(missing_ok=True)

@@ -159,7 +159,10 @@ def tp_plan(model: GPT) -> dict[str, ParallelStyle]:
         "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "pos_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
         "norm": SequenceParallel(),
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        # Logits stay sharded on the vocabulary: the loss is vocabulary-parallel (loss.py).
+        "lm_head": ColwiseParallel(
+            input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
+        ),
     }
     for name in model.blocks:
         b = f"blocks.{name}"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -133,7 +134,8 @@ def spec(reference: str, cfg) -> ModelSpec:
         datasets=("synthetic", "text", "tokens"),
         default_dataset="synthetic",
         units=infer_units,
-        tp_plan=tp_plan if getattr(config, "base_model_tp_plan", None) else None,
+        tp_plan=tp_plan_of(config),
+        tp_plan_name=tp_plan_name(config),
         tp_sizes=tp_sizes,
         pipeline=pipeline,
         pipeline_stage=pipeline_stage,
@@ -199,6 +201,8 @@ def pipeline_stage(model: nn.Module) -> None:
     stage: the logits of the model's own forward (with its head's scaling or soft-capping)."""
     import types
 
+    from torch.distributed.tensor import DTensor
+
     base = model.base_model
     first, last = base.embed_tokens is not None, model.get_output_embeddings() is not None
     if base.norm is None:
@@ -211,7 +215,9 @@ def pipeline_stage(model: nn.Module) -> None:
         inputs = {"input_ids" if first else "inputs_embeds": x, "use_cache": False}
         if last:
             return causal_lm_forward(self, **inputs).logits
-        return self.base_model(**inputs).last_hidden_state
+        out = self.base_model(**inputs).last_hidden_state
+        # Sequence parallel (TP): this rank's share of the sequence goes to the next stage.
+        return out.to_local() if isinstance(out, DTensor) else out
 
     model.forward = types.MethodType(forward, model)
 
@@ -228,6 +234,109 @@ def _styles() -> dict:
         "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
         "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
     }
+
+
+# Model types whose decoder layers are Llama's (norm, attention, residual; norm, gated MLP,
+# residual; q/k/v/o and gate/up/down projections): fsdp2lab's own TP plan,
+# :func:`sequence_parallel_plan`. Other types take their own ``base_model_tp_plan``.
+SEQUENCE_PARALLEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def tp_plan_of(config) -> Callable[[nn.Module], dict] | None:
+    """The TP plan of a model of ``config``: fsdp2lab's sequence-parallel one for the Llama family,
+    else the model's own (None where it has none)."""
+    if getattr(config, "model_type", None) in SEQUENCE_PARALLEL_TYPES:
+        return sequence_parallel_plan
+    return tp_plan if getattr(config, "base_model_tp_plan", None) else None
+
+
+def tp_plan_name(config) -> str:
+    kind = getattr(config, "model_type", None)
+    if kind in SEQUENCE_PARALLEL_TYPES:
+        return (
+            f"fsdp2lab's for {kind} (sequence parallel norms and residual stream, "
+            "vocabulary-parallel loss)"
+        )
+    return f"{kind}'s own base_model_tp_plan (no sequence parallelism, logits gathered whole)"
+
+
+def sequence_parallel_plan(model: nn.Module) -> dict:
+    """Megatron-style TP with sequence parallelism for the Llama family (a model, or a pipeline
+    stage of one). Between the layers the residual stream is a DTensor sharded on the sequence
+    (global shape, so the model's forward derives positions and the mask from the whole
+    sequence); each norm runs on its rank's tokens; attention and the MLP all-gather the sequence,
+    run on their local heads / columns (q/k/v/gate/up column-wise; ``view(..., -1, head_dim)``
+    sees the local heads, as Qwen3's per-head q/k norms do) and reduce-scatter back onto it
+    (o/down row-wise). The head's logits stay sharded on the vocabulary (``loss.py``)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    prefix, base = model.base_model_prefix, model.base_model
+    plan: dict = {
+        f"{prefix}.embed_tokens": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+        ),
+        f"{prefix}.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(
+            input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
+        ),
+    }
+    if base.embed_tokens is None:  # a later pipeline stage: its input is its share of the sequence
+        plan[prefix] = PrepareModuleInput(
+            input_kwarg_layouts={"inputs_embeds": Shard(1)},
+            desired_input_kwarg_layouts={"inputs_embeds": Shard(1)},
+        )
+    for i, module in base.layers._modules.items():
+        layer = f"{prefix}.layers.{i}"
+        # Qwen3's q/k norms (over each head, on the local heads): their weights replicated
+        # DTensors, their gradients summed over the tp ranks' heads.
+        plan |= {
+            f"{layer}.self_attn.{norm}": SequenceParallel(sequence_dim=2, use_local_output=True)
+            for norm in ("q_norm", "k_norm")
+            if hasattr(module.self_attn, norm)
+        }
+        plan |= {
+            f"{layer}.input_layernorm": SequenceParallel(),
+            f"{layer}.self_attn": PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": Shard(1)},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            ),
+            **{f"{layer}.self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
+            f"{layer}.self_attn.o_proj": RowwiseParallel(
+                output_layouts=Shard(1), use_local_output=False
+            ),
+            f"{layer}.post_attention_layernorm": SequenceParallel(),
+            f"{layer}.mlp": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            ),
+            f"{layer}.mlp.gate_proj": ColwiseParallel(),
+            f"{layer}.mlp.up_proj": ColwiseParallel(),
+            f"{layer}.mlp.down_proj": RowwiseParallel(
+                output_layouts=Shard(1), use_local_output=False
+            ),
+        }
+    _refuse_tied(model, plan)
+    return plan
+
+
+def _refuse_tied(model: nn.Module, plan: Iterable[str]) -> None:
+    """UsageError where the head is the embedding and ``plan`` (module names) shards them as two
+    modules."""
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or embedding is None or head.weight is not embedding.weight:
+        return
+    sharded = [n for n, m in model.named_modules() if m in (head, embedding) and n in plan]
+    if sharded:
+        raise UsageError(
+            f"--tp: {type(model).__name__} ties its output head to its embedding, which its "
+            f"TP plan shards as separate modules ({', '.join(sharded)}); use a model with "
+            "tie_word_embeddings false, or no --tp"
+        )
 
 
 def hf_tp_plan(model: nn.Module) -> dict[str, str]:
@@ -256,15 +365,7 @@ def tp_plan(model: nn.Module) -> dict:
             f"--tp: {type(model).__name__}'s TP plan uses style {unmapped[0]!r} (e.g. {first}), "
             f"which fsdp2lab does not map (it maps: {', '.join(styles)})"
         )
-    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    if head is not None and embedding is not None and head.weight is embedding.weight:
-        sharded = [n for n, m in model.named_modules() if m in (head, embedding) and n in plan]
-        if sharded:
-            raise UsageError(
-                f"--tp: {type(model).__name__} ties its output head to its embedding, which its "
-                f"TP plan shards as separate modules ({', '.join(sharded)}); use a model with "
-                "tie_word_embeddings false, or no --tp"
-            )
+    _refuse_tied(model, plan)
     return {name: styles[style]() for name, style in plan.items()}
 
 

@@ -29,6 +29,12 @@ from fsdp2lab.runtime.torch_compat import hf_storage_reader, local_shape_and_off
 INDEX = "model.safetensors.index.json"
 
 
+def base_key(name: str) -> str:
+    """A parameter's name in the files: a PEFT LoRA layer keeps the frozen linear it adapts as
+    ``base_layer`` (``...q_proj.base_layer.weight`` is the files' ``...q_proj.weight``)."""
+    return name.replace(".base_layer.", ".")
+
+
 def _tensor_groups(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
     """Each persistent tensor with its names (several for tied parameters), in model order."""
     persistent = set(model.state_dict(keep_vars=True))
@@ -83,7 +89,8 @@ class WeightIndex:
         """Each tensor of ``model``, its names, and the name the files hold it under (None:
         absent)."""
         for names, tensor in _tensor_groups(model):
-            yield names, tensor, next((n for n in names if n in self.files), None)
+            keys = (base_key(n) for n in names)  # a LoRA-adapted linear's frozen weight
+            yield names, tensor, next((k for k in keys if k in self.files), None)
 
     def check(self, model: nn.Module, reference: str) -> None:
         """UsageError unless every tensor of ``model`` is in the files with its shape, and every
@@ -129,6 +136,8 @@ class WeightIndex:
         holds (a pipeline stage holds some)."""
         out = {}
         for names, _, key in self._keys(reference):
+            if key is None:  # LoRA adapters: not in the base's files
+                continue
             target = next((t for t in (_lookup(model, n) for n in names) if t is not None), None)
             if target is not None:
                 out[key] = target

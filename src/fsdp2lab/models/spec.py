@@ -78,6 +78,7 @@ class ModelSpec:
     default_dataset: str  # what --dataset auto tries first
     units: Callable[[nn.Module], list[str]] = infer_units
     tp_plan: Callable[[nn.Module], dict[str, Any]] | None = None
+    tp_plan_name: str | None = None  # which plan it is, for the log (where a model has several)
     tp_sizes: Callable[[nn.Module], dict[str, int]] = no_sizes
     pipeline: Callable[[nn.Module], list[str]] | None = None
     # (a pipeline stage: the model with the other stages' modules removed) -> None: makes it run

@@ -24,7 +24,10 @@ from fsdp2lab.parallel import ddp, fsdp1, fsdp2, model_parallel, pp, tp
 from fsdp2lab.parallel.activation_checkpoint import apply_activation_checkpointing
 from fsdp2lab.parallel.compile import compile_units
 from fsdp2lab.parallel.grad_norm import clip_grad_norm_
+from fsdp2lab.runtime import logs
 from fsdp2lab.runtime.mesh import ParallelDims, dp_mesh
+
+log = logs.get_logger(__name__)
 
 
 class RunPlan(Protocol):
@@ -80,6 +83,8 @@ def _fsdp2(model: nn.Module, plan: RunPlan, mesh: DeviceMesh, device: torch.devi
         model = pp.stage_module(plan.spec, model, plan.stages, mesh["pp"])
     if plan.dims.tp > 1:
         model = tp.apply_tp(model, plan.spec, mesh["tp"])
+        if plan.spec.tp_plan_name:
+            log.info(f"fsdp2lab: tensor parallel plan: {plan.spec.tp_plan_name}")
     _checkpoint_and_compile(model, plan, device)
     return fsdp2.apply_fsdp(
         model,

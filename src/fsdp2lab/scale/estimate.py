@@ -40,7 +40,7 @@ GIB = 1024**3
 # sequence 8192, per-op selective AC, bf16: 82.4 GiB max reserved, 5,762 tokens/s per GPU;
 # tests/test_scale_published.py): the compute stream's reserved over its tracked peak,
 # (82.4 - 3.74 GiB of gradients) / 68.76, and the FLOP/s efficiency that gives 5,762 tokens/s.
-# Table 3 (128 GPUs) and the difference between the two check them.
+# Table 1 is not a check of them; Table 3 (128 GPUs) and another published run are.
 ALLOCATOR_OVERHEAD = 0.144  # the caching allocator's reserved over the compute stream's peak
 NON_TORCH_GIB = 1.0  # CUDA context and NCCL buffers (not calibrated: nothing published)
 DEFAULT_EFFICIENCY = 0.38  # achieved / peak dense bf16 FLOP/s of the model's kernels

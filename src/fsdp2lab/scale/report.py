@@ -143,6 +143,7 @@ def plan_report(cfg: TrainConfig, world_size: int, hw: Hardware, alternatives: b
             if plan.dims.pp > 1
             else []
         ),
+        **({"lora": lora_summary(plan)} if plan.cfg.lora_rank else {}),
         **summarize(plan, hw),
     }
     if cfg.grad_accum_steps > 1 and plan.dims.dp_shard > 1:
@@ -172,6 +173,24 @@ def plan_report(cfg: TrainConfig, world_size: int, hw: Hardware, alternatives: b
     return report
 
 
+def lora_summary(plan: RunPlan) -> dict:
+    """A LoRA run's adapters and frozen base, as the plan's meta model holds them."""
+    from fsdp2lab.models.lora import is_adapter
+
+    params = list(plan.meta_model.named_parameters())
+    base_dtypes = sorted(
+        {str(p.dtype).removeprefix("torch.") for n, p in params if not is_adapter(n)}
+    )
+    return {
+        "rank": plan.cfg.lora_rank,
+        "alpha": plan.cfg.lora_alpha,
+        "targets": plan.cfg.lora_targets.split(","),
+        "adapter_params": sum(p.numel() for n, p in params if is_adapter(n)),
+        "base_params": sum(p.numel() for n, p in params if not is_adapter(n)),
+        "base_dtype": "/".join(base_dtypes),
+    }
+
+
 def _gib(n: float) -> str:
     if abs(n) < GIB:
         return f"{n / 2**20:,.1f} MiB"
@@ -186,6 +205,13 @@ def format_report(r: dict) -> str:
         + " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
         + f", batch {r['micro_batch']}/rank (global {r['global_batch']}), AC {r['activation_checkpointing']}",
     ]
+    if "lora" in r:
+        lo = r["lora"]
+        lines.append(
+            f"LoRA: rank {lo['rank']}, alpha {lo['alpha']:g} on {','.join(lo['targets'])}: "
+            f"{lo['adapter_params']:,} adapter parameters (fp32, trained) on a frozen "
+            f"{lo['base_dtype']} base of {lo['base_params']:,} (no gradient, no optimizer state)"
+        )
     if "pipeline" in r:
         p = r["pipeline"]
         lines.append(

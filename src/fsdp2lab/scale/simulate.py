@@ -162,7 +162,9 @@ class StepCounter(TorchDispatchMode):
     FLOPs are this rank's, as its kernels compute them: an op on DTensors is left to DTensor
     (:func:`defer_to_dtensor`), which runs it on the local shards with this mode still active, so
     a tensor-parallel matmul counts its shard of the weight and attention its local heads. The
-    ops DTensor runs to infer an output's global shape are not counted.
+    ops DTensor runs to infer an output's global shape are not counted. Every op on DTensors is
+    left to DTensor, not only those with FLOPs: its collectives (a norm's partial sums reduced by
+    ``full_tensor``) then reach this mode, where the fake tensor mode below would drop them.
 
     A plain dispatch mode: ``FlopCounterMode``'s module hooks, under the memory tracker, make the
     tracker keep backward's temporaries (+1.8 GiB a layer of Llama 3 70B)."""
@@ -191,7 +193,7 @@ class StepCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         formula = flop_registry.get(func._overloadpacket)
-        if formula is not None and defer_to_dtensor(types):
+        if defer_to_dtensor(types):
             return NotImplemented  # DTensor runs it on its local shards, counted then
         if formula is not None:
             out = func(*args, **kwargs)
@@ -312,20 +314,28 @@ def train_step(
     plan: RunPlan, model, optimizer, batches, before_forward=None, pipeline=None
 ) -> None:
     """One optimizer step over ``grad_accum_steps`` micro-batches, as the trainer runs it
-    (through ``pipeline``, a :class:`fsdp2lab.parallel.pp.Pipeline`, under ``--pp``)."""
+    (through ``pipeline``, a :class:`fsdp2lab.parallel.pp.Pipeline`, under ``--pp``); with
+    ``--max-grad-norm``, the strategy's gradient norm and clipping (its all-reduce, the loss
+    riding on it) before the optimizer step. (The trainer also takes the norm, unclipped, on
+    the steps it logs.)"""
     optimizer.zero_grad(set_to_none=True)
     k = plan.cfg.grad_accum_steps
+    loss_sum = torch.zeros(())
     for micro in range(k):
         x, y = batches()
         if pipeline is not None:
-            pipeline.train_step(
+            loss = pipeline.train_step(
                 x, y, lambda out, target: _loss(plan, out, target) / k, finalize=micro == k - 1
             )
-            continue
-        if before_forward is not None:
-            before_forward()
-        with plan.strategy.sync_context(model, micro == k - 1):
-            (_loss(plan, model(x), y) / k).backward()
+        else:
+            if before_forward is not None:
+                before_forward()
+            with plan.strategy.sync_context(model, micro == k - 1):
+                loss = _loss(plan, model(x), y) / k
+                loss.backward()
+        loss_sum += loss.detach()
+    if plan.cfg.max_grad_norm is not None:
+        plan.strategy.clip_grad_norm(model, plan.cfg.max_grad_norm, loss_sum)
     optimizer.step()
 
 
@@ -360,10 +370,8 @@ def track(plan: RunPlan, model, optimizer, batches, counters=(), pipeline=None, 
     place, and one made before the tracker saw it would count as a temporary never freed.
     ``pipeline``: the step runs through it (``--pp``). ``tracker``: an ``FSDPMemTracker`` of
     ``model`` and ``optimizer`` to use (to track later phases with it), else a new one."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
     create_optimizer_state(optimizer)
-    tracker = tracker or FSDPMemTracker(model, optimizer)
+    tracker = tracker or memory_tracker(model, optimizer)
     x, _ = batches()
     tracker.track_inputs((x,))
     with tracker, contextlib.ExitStack() as stack:
@@ -380,6 +388,33 @@ def track(plan: RunPlan, model, optimizer, batches, counters=(), pipeline=None, 
             stack.callback(handle.remove)
         train_step(plan, model, optimizer, batches, tracker.reset_mod_stats, pipeline)
     return _peak(tracker)
+
+
+def memory_tracker(model, optimizer):
+    """torch's ``FSDPMemTracker`` of ``model`` and ``optimizer``, blind to DTensor's shape
+    inference: under the plan's fake tensor mode it runs ops at their global shapes in that mode
+    (where a real run uses a fake mode of its own, which no tracker sees), e.g. a whole
+    vocabulary's log-softmax for the vocabulary-parallel loss."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    class Tracker(FSDPMemTracker):
+        def __enter__(self):
+            self._inference = contextlib.ExitStack()
+            self._inferring = self._inference.enter_context(dtensor_shape_inference())
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            try:
+                return super().__exit__(*exc)
+            finally:
+                self._inference.close()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if self._inferring():
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    return Tracker(model, optimizer)
 
 
 def _peak(tracker) -> tuple[int, dict[str, int]]:
@@ -495,9 +530,9 @@ def _checkpoint_state(model, optimizer) -> tuple[int, int]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.utils._pytree import tree_leaves
 
-    from fsdp2lab.checkpoint.state import OPTIONS
+    from fsdp2lab.checkpoint.state import state_dict_options
 
-    state = get_state_dict(model, optimizer, options=OPTIONS)
+    state = get_state_dict(model, optimizer, options=state_dict_options(model))
     sizes = [
         _nbytes(t.to_local() if isinstance(t, DTensor) else t)
         for t in tree_leaves(state)
@@ -574,7 +609,6 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
     ``rank``'s stage (:func:`stage_ranks`: one rank per stage).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     check_supported(plan)
@@ -589,8 +623,8 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
             tp_mesh = mesh["tp"] if plan.dims.tp > 1 else None
             shapes = stage_shapes(plan, plan.micro_batch // plan.n_microbatches, tp_mesh)
         # Parallelised on the meta device, as the trainer does; then fake memory for it. (The
-        # pipeline's log of its stages is the trainer's, not the plan's: the plan lists them.)
-        with _quiet("fsdp2lab.parallel.pp"):
+        # pipeline's log of its stages and the TP plan's name are the trainer's, not the plan's.)
+        with _quiet("fsdp2lab.parallel.pp"), _quiet("fsdp2lab.parallel.strategies"):
             model = plan.strategy.parallelize(copy.deepcopy(plan.meta_model), plan, mesh, device)
         with FakeTensorMode(allow_non_fake_inputs=True):
             to_empty(model, device)
@@ -605,7 +639,7 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
             counter = StepCounter(_group_dims(mesh))
             forward = _ForwardFlops(counter)
             counters = (counter, forward.installed(model))
-            tracker = FSDPMemTracker(model, optimizer)
+            tracker = memory_tracker(model, optimizer)
             peak, by_category = track(plan, model, optimizer, batches, counters, pipeline, tracker)
             state = state_bytes(model, optimizer)
             phases = [

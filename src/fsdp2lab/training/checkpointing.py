@@ -289,6 +289,7 @@ class CheckpointManager(Hooks):
     def load(self, trainer: Trainer, ckpt: layout.Checkpoint) -> None:
         """Load ``ckpt`` into ``trainer`` on every rank; a UsageError if it does not fit."""
         run = ckpt_state.saved_run(ckpt)
+        ckpt_state.check_base(trainer, ckpt)
         template = ckpt_state.template(trainer, ckpt)
         own = template.pop(ckpt_state.RANKS, {}).get(str(self.runtime.rank), {})
         ckpt_state.check_fits(trainer, ckpt, template)

@@ -6,15 +6,23 @@ autograd keeps, they are the largest tensors of a step (4 x 2048 tokens x 128,25
 :func:`cross_entropy` upcasts ``chunk_tokens`` tokens' logits at a time, keeps none of them for
 the backward, and recomputes each chunk there, writing its gradient into one gradient tensor of
 the logits' own dtype. Loss and gradients are ``F.cross_entropy``'s.
+
+Under tensor parallelism the head's logits are a DTensor sharded on the vocabulary (each rank
+holds V / tp columns): each chunk's cross-entropy is then torch's vocabulary-parallel one
+(``loss_parallel``: the log-softmax's max and sum, and the target's logit, are all-reduced over
+the tp ranks), so no rank ever holds a whole vocabulary's logits.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import loss_parallel
 
 from fsdp2lab.models.spec import logits_of
 
@@ -39,23 +47,29 @@ def cross_entropy(
 
     ``reduction``: "mean" (over the targets that are not ``IGNORE_INDEX``) or "sum". At most
     ``chunk_tokens`` (default :func:`chunk_tokens_for` V) tokens' logits are upcast at a time;
-    with no more tokens than that it is ``F.cross_entropy`` on the fp32 logits, as it always was.
+    with no more tokens than that it is ``F.cross_entropy`` on the fp32 logits. ``logits`` may be
+    a DTensor sharded on the vocabulary over the tp mesh: the loss is then vocabulary-parallel.
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
-    flat, flat_target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
-    chunk = chunk_tokens or chunk_tokens_for(flat.shape[-1])
-    if flat.shape[0] <= chunk:
+    # A chunk holds as many tokens whatever the tp degree: a rank's share of it is 1/tp.
+    chunk = chunk_tokens or chunk_tokens_for(logits.shape[-1])
+    flat, mesh = _rows(logits)
+    flat_target = target.reshape(-1)
+    if mesh is None and flat.shape[0] <= chunk:
         return F.cross_entropy(flat.float(), flat_target, reduction=reduction)
-    return _ChunkedCrossEntropy.apply(flat, flat_target, reduction == "mean", chunk)
+    return _ChunkedCrossEntropy.apply(flat, flat_target, reduction == "mean", chunk, mesh)
 
 
 def correct(logits: torch.Tensor, target: torch.Tensor) -> float:
-    """How many argmax predictions of ``logits`` (..., V) equal ``target`` (...)."""
-    flat, flat_target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
-    chunk = chunk_tokens_for(flat.shape[-1])
+    """How many argmax predictions of ``logits`` (..., V) equal ``target`` (...); logits sharded
+    on the vocabulary are gathered one chunk of tokens at a time."""
+    flat, mesh = _rows(logits)
+    chunk = chunk_tokens_for(logits.shape[-1])
     hits = torch.zeros((), dtype=torch.int64, device=flat.device)
-    for piece, t in zip(flat.split(chunk), flat_target.split(chunk), strict=True):
+    for piece, t in zip(flat.split(chunk), target.reshape(-1).split(chunk), strict=True):
+        if mesh is not None:
+            piece = DTensor.from_local(piece, mesh, [Shard(1)], run_check=False).full_tensor()
         hits += (piece.argmax(dim=-1) == t).sum()
     return float(hits)  # one device sync
 
@@ -70,21 +84,61 @@ def model_loss(
     "sum" is that mean x ``target.numel()``) where given (``RunPlan.loss``), else
     :func:`cross_entropy` of its logits."""
     if user_loss is not None:
-        mean = user_loss(output, target)
+        mean = user_loss(_whole(output), target)
         return mean if reduction == "mean" else mean * target.numel()
     return cross_entropy(logits_of(output), target, reduction)
 
 
+def _whole(output: Any) -> Any:
+    """``output`` with logits sharded on the vocabulary (TP) gathered whole, for a user's loss."""
+    if isinstance(output, DTensor):
+        return output.full_tensor()
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, DTensor):
+        output.logits = logits.full_tensor()  # transformers' ModelOutput: attribute and key
+    return output
+
+
+def _rows(logits: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """(this rank's logits as (tokens, its vocabulary columns), the tp mesh); the mesh is None
+    for a plain tensor. A DTensor must be sharded on its last dimension over a 1-D mesh."""
+    if not isinstance(logits, DTensor):
+        return logits.reshape(-1, logits.shape[-1]), None
+    if tuple(logits.placements) != (Shard(logits.ndim - 1),):
+        raise ValueError(
+            f"logits as a DTensor must be sharded on the vocabulary (Shard(-1)) over the tp "
+            f"mesh, not {logits.placements}"
+        )
+    local = logits.to_local()  # differentiable: the gradient flows back as the same DTensor
+    return local.reshape(-1, local.shape[-1]), logits.device_mesh
+
+
+def _piece_sum(piece: torch.Tensor, target: torch.Tensor, mesh) -> torch.Tensor:
+    """One chunk's summed cross-entropy in fp32. With ``mesh`` (the tp mesh) ``piece`` is this
+    rank's vocabulary columns, and the loss torch's vocabulary-parallel one (under
+    :func:`_context`, forward and backward), the same value on every tp rank."""
+    if mesh is None:
+        return F.cross_entropy(piece.float(), target, reduction="sum")
+    sharded = DTensor.from_local(piece.float(), mesh, [Shard(1)], run_check=False)
+    return F.cross_entropy(sharded, target, reduction="sum").to_local()
+
+
+def _context(mesh):
+    return contextlib.nullcontext() if mesh is None else loss_parallel()
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
-    """``F.cross_entropy`` over (N, V) logits, ``chunk`` rows at a time, forward and backward."""
+    """``F.cross_entropy`` over (N, V) logits, ``chunk`` rows at a time, forward and backward;
+    with ``mesh`` (the tp mesh) the logits are this rank's (N, V / tp) columns (:func:`_piece_sum`)."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, mean: bool, chunk: int):
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, mean: bool, chunk: int, mesh):
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
-        for piece, t in zip(logits.split(chunk), target.split(chunk), strict=True):
-            total += F.cross_entropy(piece.float(), t, reduction="sum")
+        with _context(mesh):
+            for piece, t in zip(logits.split(chunk), target.split(chunk), strict=True):
+                total += _piece_sum(piece, t, mesh)
         ctx.save_for_backward(logits, target)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.mesh = chunk, mesh
         ctx.count = (target != IGNORE_INDEX).sum() if mean else None
         return total / ctx.count if mean else total
 
@@ -98,9 +152,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             logits.split(ctx.chunk), target.split(ctx.chunk), grad.split(ctx.chunk), strict=True
         )
         for piece, t, out in pieces:
-            with torch.enable_grad():
+            with torch.enable_grad(), _context(ctx.mesh):
                 piece = piece.detach().requires_grad_()
-                loss = F.cross_entropy(piece.float(), t, reduction="sum")
+                loss = _piece_sum(piece, t, ctx.mesh)
                 (piece_grad,) = torch.autograd.grad(loss, piece, scale)
             out.copy_(piece_grad)
-        return grad, None, None, None
+        return grad, None, None, None, None

@@ -12,9 +12,10 @@ from fsdp2lab.parallel.local_step import step_on_local_shards
 
 
 def build_optimizer(params, cfg: TrainConfig, local_step: bool = True) -> torch.optim.Optimizer:
-    """The configured optimizer; on DTensor parameters (FSDP2, HSDP, TP) it steps on the local
-    shards unless ``local_step`` is False (benchmarks compare the two)."""
-    optimizer = _optimizer(list(params), cfg)
+    """The configured optimizer over the parameters that train (a LoRA run's frozen base gets no
+    state); on DTensor parameters (FSDP2, HSDP, TP) it steps on the local shards unless
+    ``local_step`` is False (benchmarks compare the two)."""
+    optimizer = _optimizer([p for p in params if p.requires_grad], cfg)
     if local_step:
         step_on_local_shards(optimizer)
     return optimizer

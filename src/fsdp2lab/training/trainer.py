@@ -110,9 +110,13 @@ class Trainer:
         mesh = " x ".join(
             f"{n}={s}" for n, s in zip(self.mesh.mesh_dim_names, self.mesh.shape, strict=True)
         )
+        params = f"{self.plan.params_total:,} parameters"
+        if self.cfg.lora_rank is not None:
+            trainable = sum(p.numel() for p in self.plan.meta_model.parameters() if p.requires_grad)
+            params += f", {trainable:,} of them LoRA rank {self.cfg.lora_rank} adapters"
         return (
             f"fsdp2lab: {self.cfg.strategy} on {self.runtime.world_size} rank(s) [{self.device.type}/"
-            f"{self.runtime.backend}], mesh {mesh}, model {self.cfg.model} ({self.plan.params_total:,} parameters), "
+            f"{self.runtime.backend}], mesh {mesh}, model {self.cfg.model} ({params}), "
             f"global batch {self.plan.global_batch} = {self.plan.micro_batch}/rank x {self.plan.dims.dp} dp x "
             f"{self.cfg.grad_accum_steps} accum\n"
             f"fsdp2lab: dataset: {self.data_choice.note}; {len(self.train_set)} train / {len(self.test_set)} test samples"

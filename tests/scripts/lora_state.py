@@ -1,0 +1,106 @@
+"""One rank of a real LoRA run (gloo, CPU): the trainer's own step, then the bytes this rank
+holds, counted here from the tensors themselves (each DTensor's local shard), not by
+``training.metrics.state_bytes``, which the trainer and ``fsdp2lab plan`` share.
+
+Rank 0 prints one JSON line: a list, per rank, of ``frozen_param_bytes``,
+``adapter_param_bytes``, ``grad_bytes``, ``grad_storage_bytes`` (the storages behind the
+gradients, each once), ``optimizer_state_bytes``, ``frozen_with_grad``
+(frozen parameters holding a gradient), ``frozen_with_state`` (holding optimizer state), after
+two steps; ``peak_bytes``, the second step's peak of live tensor bytes as ``scale_measure.py``
+measures it (torch's profiler), and ``peak_total_bytes``, the CPU allocator's highest total in
+that step (everything allocated since profiling began, kept or not) plus the parameters' storages.
+
+torchrun --nproc-per-node N tests/scripts/lora_state.py TRAIN_FLAGS...
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+from scale_measure import (
+    _allocations,
+    _range,
+    created_by_first_step,
+    step_figures,
+    storage_bytes,
+)
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from fsdp2lab.cli import build_parser
+from fsdp2lab.config import config_from_args
+from fsdp2lab.runtime.distributed import Runtime, exit_process
+from fsdp2lab.training.trainer import Trainer
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def local_bytes(t: torch.Tensor) -> int:
+    return local(t).numel() * local(t).element_size()
+
+
+def main() -> None:
+    args = build_parser().parse_args(["train", *sys.argv[1:]])
+    cfg = config_from_args(args)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    runtime = Runtime(rank, world, int(os.environ["LOCAL_RANK"]), torch.device("cpu"), "gloo")
+    trainer = Trainer(cfg, runtime)
+    trainer.sampler.set_epoch(1, 0)
+    batches = iter(trainer.loader)
+    base = storage_bytes(trainer.model)
+    with profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True
+    ) as prof:
+        trainer.train_step(batches)  # the optimizer state made
+        dist.barrier()
+        with record_function("measured step"):
+            trainer.train_step(batches)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    counts = dict.fromkeys(("frozen_param_bytes", "adapter_param_bytes", "grad_bytes",
+                            "optimizer_state_bytes", "frozen_with_grad", "frozen_with_state"), 0)  # fmt: skip
+    grad_storages: dict[int, int] = {}
+    for p in trainer.model.parameters():
+        counts["adapter_param_bytes" if p.requires_grad else "frozen_param_bytes"] += local_bytes(p)
+        if p.grad is not None:
+            counts["grad_bytes"] += local_bytes(p.grad)
+            counts["frozen_with_grad"] += not p.requires_grad
+            storage = local(p.grad).untyped_storage()
+            grad_storages[storage.data_ptr()] = storage.nbytes()
+    # What the gradients hold: FSDP1's are views into its flat parameter's gradient, which
+    # covers the frozen weights of the unit too.
+    counts["grad_storage_bytes"] = sum(grad_storages.values())
+    state = created_by_first_step(events)
+    counts["peak_bytes"] = step_figures(events, "measured step", base, state)["peak_bytes"]
+    # The allocator's own total at its highest in the step (all it holds since the profile began,
+    # the parameters' storages added), whatever the step frees or keeps.
+    start, end = _range(events, "measured step")
+    totals = [e["args"]["Total Allocated"] for e in _allocations(events) if start <= e["ts"] <= end]
+    counts["peak_total_bytes"] = base + max(totals)
+    for p, state in trainer.optimizer.state.items():
+        counts["frozen_with_state"] += not p.requires_grad
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                counts["optimizer_state_bytes"] += local_bytes(value)
+    results: list = [None] * world
+    dist.all_gather_object(results, counts)
+    if rank == 0:
+        print(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
+    exit_process(0)
