@@ -87,3 +87,37 @@ def test_pipeline_stages_are_rank_roles(tmp_path):
     assert last["modules"][-1] == "lm_head" and "model.embed_tokens" not in last["modules"]
     assert first["state_bytes"] != last["state_bytes"]
     assert r["comm_bytes_per_step"]["pp"] > 0
+
+
+def test_training_keeps_no_key_value_cache_and_the_plan_sees_the_real_runs_attention(tmp_path):
+    """transformers' causal LMs default to a key/value cache: in training it would hold every
+    layer's keys and values for the whole step (and again for each layer activation
+    checkpointing recomputes). The model fsdp2lab builds keeps none, its config (what the export
+    writes) unchanged; the plan's fake run takes the real run's flash path (no mask built)."""
+    import torch
+    import torch.nn.functional as F
+
+    folder = config_folder(tmp_path / "small", hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           vocab_size=256, max_position_embeddings=512)  # fmt: skip
+    flags = ["train", "--model", f"hf:{folder}", "--seq-len", "64", "--batch-size", "2"]
+    plan = resolve(config_from_args(build_parser().parse_args(flags)), 2)
+    model = plan.spec.build(plan.cfg).to_empty(device="cpu")
+    out = model(torch.randint(0, 256, (2, 64)))
+    assert out.past_key_values is None
+    assert model.config.use_cache is True
+
+    masks = []
+    real_sdpa = F.scaled_dot_product_attention
+
+    def sdpa(*args, attn_mask=None, **kwargs):
+        masks.append(attn_mask)
+        return real_sdpa(*args, attn_mask=attn_mask, **kwargs)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        model(torch.randint(0, 256, (2, 64)))
+        simulate(plan)
+    finally:
+        F.scaled_dot_product_attention = real_sdpa
+    assert len(masks) > 2 and all(m is None for m in masks)

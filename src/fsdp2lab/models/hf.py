@@ -15,6 +15,8 @@ Mistral and Qwen2/3 (:func:`pipeline`, :func:`pipeline_stage`) and refuses the o
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import re
 from collections.abc import Callable, Iterable
@@ -106,6 +108,38 @@ def build_from_config(config, attn_implementation: str | None = None) -> nn.Modu
         ) from None
 
 
+def without_kv_cache(model: nn.Module) -> nn.Module:
+    """``model`` called with ``use_cache=False``, its config left as it is (the export's
+    ``config.json`` keeps the folder's ``use_cache``). transformers' causal LMs default to a
+    key/value cache, which in training holds every layer's keys and values for the whole step,
+    and again (concatenated) for each layer activation checkpointing recomputes."""
+    model.forward = functools.partial(model.forward, use_cache=False)
+    return model
+
+
+@contextlib.contextmanager
+def masks_decided_as_for_real_tensors():
+    """transformers leaves the causal mask to SDPA's ``is_causal`` (the flash kernel) when the
+    position ids show one sequence per row, which it reads from their values; a fake tensor has
+    none, so under the plan's fake tensors a model would build the (batch, 1, seq, seq) mask and
+    take the attention path that a real run skips. The trainer's rows are single windows
+    (positions 0 to seq - 1): for the duration, transformers finds no packed sequences, as it
+    does in the real run."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        masking_utils = None
+    real = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if real is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = real
+
+
 def spec(reference: str, cfg) -> ModelSpec:
     """The spec of ``hf:PATH``: built from its config, sharded per decoder layer, and (where the
     folder holds weights) loaded from its safetensors files instead of initialised."""
@@ -124,7 +158,7 @@ def spec(reference: str, cfg) -> ModelSpec:
         model = build_from_config(config)
         if index is not None:
             index.check(model, reference)
-        return model
+        return without_kv_cache(model)
 
     return ModelSpec(
         name=reference,

@@ -49,6 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from fsdp2lab.errors import UsageError
+from fsdp2lab.models.hf import masks_decided_as_for_real_tensors
 from fsdp2lab.models.materialize import to_empty
 from fsdp2lab.models.spec import logits_of
 from fsdp2lab.parallel.fsdp2 import default_unit_min_params, reshard_all
@@ -626,7 +627,7 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
         # pipeline's log of its stages and the TP plan's name are the trainer's, not the plan's.)
         with _quiet("fsdp2lab.parallel.pp"), _quiet("fsdp2lab.parallel.strategies"):
             model = plan.strategy.parallelize(copy.deepcopy(plan.meta_model), plan, mesh, device)
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True), masks_decided_as_for_real_tensors():
             to_empty(model, device)
             optimizer = _unfused(build_optimizer(model.parameters(), plan.cfg))
 
