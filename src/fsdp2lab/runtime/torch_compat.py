@@ -187,6 +187,14 @@ def _infer_shape_flagged(original: Callable) -> Callable:
     return run
 
 
+def pipeline_checks_local_shards() -> bool:
+    """Whether torch's pipelining checks a stage's DTensor output by its local shard (torch with
+    ``_DTensorMeta`` in ``pipelining._utils``) rather than by its global shape (torch 2.8)."""
+    from torch.distributed.pipelining import _utils
+
+    return hasattr(_utils, "_DTensorMeta")
+
+
 @contextlib.contextmanager
 def dtensor_shape_inference() -> Iterator[Callable[[], bool]]:
     """For the duration, a function saying whether DTensor's sharding propagation is running an

@@ -55,7 +55,11 @@ from fsdp2lab.models.spec import logits_of
 from fsdp2lab.parallel.fsdp2 import default_unit_min_params, reshard_all
 from fsdp2lab.plan import RunPlan
 from fsdp2lab.runtime.mesh import build_mesh
-from fsdp2lab.runtime.torch_compat import clear_dtensor_caches, dtensor_shape_inference
+from fsdp2lab.runtime.torch_compat import (
+    clear_dtensor_caches,
+    dtensor_shape_inference,
+    pipeline_checks_local_shards,
+)
 from fsdp2lab.training.loss import model_loss
 from fsdp2lab.training.metrics import state_bytes
 from fsdp2lab.training.optim import build_optimizer
@@ -578,7 +582,10 @@ def stage_shapes(
                 if x.is_floating_point():
                     x = x.to(dtype)
             y = stage(x)
-            y = y.to_local() if isinstance(y, DTensor) else y
+            # The last stage's output is checked, not sent: by its global shape on a torch
+            # whose pipelining has no DTensor metadata.
+            whole = stage is stages[-1] and not pipeline_checks_local_shards()
+            y = y.to_local() if isinstance(y, DTensor) and not whole else y
             shapes.append(((x.shape, x.dtype), (y.shape, y.dtype)))
             x = y
     return [
