@@ -13,12 +13,18 @@ Before training, each cell also gathers every parameter, optimizer state tensor 
 hyperparameter of the freshly loaded trainer to full and compares it bitwise with what the
 checkpoint holds (tests/scripts/resume_matrix.py).
 
-Negative controls, in every cell and with every optimizer: the loaded state of the running trainer
-is changed in one place before it trains (one optimizer state row zeroed, the data position one
-global batch on, or the schedule stepped once more), and both checks must then fail, the curve
-check with that cell's own tolerance. The 4->2 cell runs all three changes with every optimizer;
-every other cell one per optimizer, its three in turn. The token-file resume (slow) is checked the
+Negative controls, in every cell: the loaded state of the running trainer is changed in one place
+before it trains (one optimizer state row zeroed, the data position one global batch on, or the
+schedule stepped once more), and both checks must then fail, the curve check with that cell's own
+tolerance. The 4->2 cell runs all three changes with every optimizer; every other cell one change
+with one optimizer, the changes and the optimizers in turn over the cells. The token-file resume (slow) is checked the
 same way, with the data position moved.
+
+LoRA (hf): a tiny pretrained Llama with rank-4 adapters saves at step 5 of 20 on 2 ranks (FSDP2)
+and resumes on 1 rank, across the epoch boundary at step 10. Its checkpoint holds the adapters,
+not the frozen base: the state check compares what the checkpoint code saves (the same state dict
+options) bitwise, and the live base with the folder's tensors. All three changes run in this cell
+(LORA_CONTROLS), each failing both checks.
 """
 
 from __future__ import annotations
@@ -67,14 +73,20 @@ CELLS = [  # (source, target); a new cell gets its negative controls from mutati
 
 
 def mutations(cell: tuple[str, str], opt: str) -> list[str]:
-    """The changes a cell's resume with ``opt`` is run with: all of them in MUTATED_CELL, else one,
-    so each cell sees its three across the optimizers."""
+    """The changes a cell's resume with ``opt`` is run with: all of them with every optimizer in
+    MUTATED_CELL; in every other cell one change with one optimizer, both in turn over the cells."""
     if cell == MUTATED_CELL:
         return MUTATIONS
-    return [MUTATIONS[(CELLS.index(cell) + list(OPTIMIZERS).index(opt)) % len(MUTATIONS)]]
+    i = CELLS.index(cell)
+    return [MUTATIONS[i % len(MUTATIONS)]] if opt == list(OPTIMIZERS)[i // 3 % 3] else []
 
 
 CONTROLS = [(cell, opt, m) for cell in CELLS for opt in OPTIMIZERS for m in mutations(cell, opt)]
+# The LoRA cell (hf, test_lora_resume_at_another_world_size): a pretrained base with adapters,
+# 2 ranks saving at step 5 -> 1 rank to step 20, AdamW, every change.
+LORA_SAVE_AT, LORA_STEPS = 5, 20
+LORA_CELL = ("lora-fsdp2-2", "lora-fsdp2-1")
+LORA_CONTROLS = [(LORA_CELL, "adamw", m) for m in MUTATIONS]
 
 
 def _run_ranks(out: Path, ranks: int, variants: dict) -> None:
@@ -175,10 +187,15 @@ def test_resumed_curve_follows_the_straight_run_at_the_target(matrix, source, ta
     check_curve(matrix, f"{source}-{opt}", f"{target}-{opt}", _cell(source, target, opt))
 
 
-def test_every_cell_and_optimizer_has_a_negative_control():
-    assert {(cell, opt) for cell, opt, _ in CONTROLS} == {(c, o) for c in CELLS for o in OPTIMIZERS}
-    for cell in CELLS:
-        assert {m for c, _, m in CONTROLS if c == cell} == set(MUTATIONS), cell
+def test_every_cell_has_a_negative_control():
+    assert {cell for cell, _, _ in CONTROLS} == set(CELLS)
+    assert {(opt, m) for cell, opt, m in CONTROLS if cell == MUTATED_CELL} == {
+        (o, m) for o in OPTIMIZERS for m in MUTATIONS
+    }
+    others = [(opt, m) for cell, opt, m in CONTROLS if cell != MUTATED_CELL]
+    assert {m for _, m in others} == set(MUTATIONS) and {o for o, _ in others} == set(OPTIMIZERS)
+    assert sorted(m for _, _, m in LORA_CONTROLS) == sorted(MUTATIONS)  # the LoRA cell: every one
+    assert sorted(m for _, _, m in LORA_CONTROLS) == sorted(MUTATIONS)  # the LoRA cell: every one
 
 
 @pytest.mark.parametrize(
@@ -243,3 +260,42 @@ def test_token_windows_resume_at_another_world_size(tmp_path):
         check_state(tmp_path, "resumed-data", 4)
     with pytest.raises(AssertionError, match="resumed - target"):
         check_curve(tmp_path, "two", "four", "resumed-data", save_at=6, steps=11)
+
+
+# ------------------------------------------------------------- LoRA adapters (--lora-rank, hf)
+@pytest.mark.hf
+def test_lora_resume_at_another_world_size(tmp_path):
+    """A LoRA run (a tiny pretrained Llama, rank-4 adapters, fp32, AdamW) saves at step 5 on
+    2 ranks; 1 rank resumes it and trains steps 6-20 (across the epoch boundary at step 10) with
+    the saved adapters and optimizer state, bit for bit, the base bit for bit its folder's, and the
+    1-rank straight run's curve; each change of LORA_CONTROLS fails both checks."""
+    pytest.importorskip("peft")
+    from test_hf_pretrained import save_llama
+
+    folder = save_llama(tmp_path / "llama", tied=False)
+    save_at, steps = LORA_SAVE_AT, LORA_STEPS
+    common = ["--model", f"hf:{folder}", "--lora-rank", "4", "--lora-dropout", "0",
+              "--mixed-precision", "fp32", "--optimizer", "adamw", "--lr", "1e-2",
+              "--global-batch-size", "16", "--seq-len", "16", "--synthetic-size", "160",
+              "--epochs", "3", "--max-steps", str(steps), "--log-every-steps", "1",
+              "--progress", "off"]  # fmt: skip
+    ckpt = str(tmp_path / "ck" / f"step-{save_at}")
+    save = ["--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every-steps", str(save_at)]
+    run_variants(tmp_path, 2, {"two": {"flags": [*save, "--keep-last", "0"]}}, common)
+    resume = {"flags": ["--resume", ckpt], "check": ckpt}
+    mutated = {f"resumed-{m}": {**resume, "mutate": m} for _, _, m in LORA_CONTROLS}
+    run_variants(tmp_path, 1, {"one": {"flags": []}, "resumed": resume, **mutated}, common)
+    assert {r["epoch"] for r in read_metrics(tmp_path / "one.jsonl") if r["event"] == "step"} == {
+        1,
+        2,
+    }
+    check_state(tmp_path, "resumed", 1)
+    compared = json.loads((tmp_path / "resumed.state.rank0.json").read_text())["compared"]
+    files = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    assert {k for k in compared if k.startswith("base.")} == {f"base.{k}" for k in files}
+    check_curve(tmp_path, "two", "one", "resumed", save_at=save_at, steps=steps)
+    for name in mutated:
+        with pytest.raises(AssertionError, match="loaded state differs from the saved"):
+            check_state(tmp_path, name, 1)
+        with pytest.raises(AssertionError, match="resumed - target"):
+            check_curve(tmp_path, "two", "one", name, save_at=save_at, steps=steps)

@@ -1,12 +1,16 @@
 """Memory across TP degrees, planned and real: at ``--tp k`` (sequence parallelism, the loss
 vocabulary-parallel) a rank's activations and the loss's temporaries are 1/k of TP 1's, but for
-what stays whole on every tp rank: the sequence all-gathered into each attention, MLP and the
-head (saved for their weights' gradients: ``2 x layers + 1`` tensors of batch x seq x d_model).
+what stays whole on every tp rank (``W``): the sequence all-gathered into each attention, MLP and
+the head (saved for their weights' gradients: ``2 x layers + 1`` tensors of batch x seq x
+d_model), and for the ``hf:`` Llama also the rotary embedding's cos and sin (seq x head_dim
+each, shared by the layers).
 
-Measured by torch's ``FSDPMemTracker`` at a step's peak, on the real trainer (4 gloo CPU ranks,
-``tests/scripts/tp_memory.py``) and in ``fsdp2lab plan``'s simulation of the same run, which
-agree within 1%. The loss's chunk is scaled to the tiny model (64 tokens of 8,192 logits), as a
-128,256-token vocabulary's is 130 tokens of a step's thousands.
+For the ``gpt`` (slow) and a tiny ``hf:`` Llama (hf: its config saved by ``save_pretrained``,
+our sequence-parallel plan, ``hf.sequence_parallel_plan``), measured by torch's
+``FSDPMemTracker`` at a step's peak, on the real trainer (4 gloo CPU ranks, TP 1, 2 and 4 in one
+launch of ``tests/scripts/tp_memory.py``) and in ``fsdp2lab plan``'s simulation of the same runs,
+which agree within 1%. The loss's chunk is scaled to the tiny models (64 tokens of 8,192 logits),
+as a 128,256-token vocabulary's is 130 tokens of a step's thousands.
 """
 
 from __future__ import annotations
@@ -25,25 +29,37 @@ from fsdp2lab.plan import resolve
 from fsdp2lab.scale.simulate import simulate
 from fsdp2lab.training import loss
 
-pytestmark = [pytest.mark.slow]
-
 ROOT = Path(__file__).resolve().parents[1]
 TP_MEMORY = ROOT / "tests" / "scripts" / "tp_memory.py"
-LAYERS, D, SEQ, BATCH, VOCAB = 2, 128, 128, 4, 8192
-FLAGS = ["--model", "gpt", "--n-layers", str(LAYERS), "--d-model", str(D), "--n-heads", "4",
-         "--seq-len", str(SEQ), "--vocab-size", str(VOCAB), "--batch-size", str(BATCH),
-         "--synthetic-size", "512", "--progress", "off"]  # fmt: skip
+LAYERS, D, HEADS, SEQ, BATCH, VOCAB = 2, 128, 4, 128, 4, 8192
+RUN = ["--seq-len", str(SEQ), "--batch-size", str(BATCH), "--synthetic-size", "512",
+       "--progress", "off"]  # fmt: skip
+GPT = ["--model", "gpt", "--n-layers", str(LAYERS), "--d-model", str(D), "--n-heads", str(HEADS),
+       "--vocab-size", str(VOCAB)]  # fmt: skip
 CHUNK_BYTES = 64 * VOCAB * 4
 WORLD = 4
-WHOLE = (2 * LAYERS + 1) * BATCH * SEQ * D * 4  # the gathered inputs, fp32
+DEGREES = (1, 2, 4)
+GATHERED = (2 * LAYERS + 1) * BATCH * SEQ * D * 4  # the gathered inputs, fp32
+ROTARY = 2 * SEQ * (D // HEADS) * 4  # the hf: Llama's cos and sin, fp32
 CATEGORIES = ("activations", "temporaries")
+
+
+def save_llama_config(folder: Path) -> Path:
+    """A tiny untied Llama's config.json (weights initialised by the trainer, as the plan's)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=D, intermediate_size=2 * D, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+    ).save_pretrained(folder)  # fmt: skip
+    return folder
 
 
 def tp(k: int) -> list[str]:
     return ["--tp", str(k)] if k > 1 else []
 
 
-def real(k: int) -> dict[str, int]:
+def real(flags: list[str]) -> dict[int, dict[str, int]]:
     proc = subprocess.run(
         [
             sys.executable,
@@ -54,8 +70,9 @@ def real(k: int) -> dict[str, int]:
             str(TP_MEMORY),
             "--loss-chunk-bytes",
             str(CHUNK_BYTES),
-            *FLAGS,
-            *tp(k),
+            "--tp-degrees",
+            ",".join(map(str, DEGREES)),
+            *flags,
         ],  # fmt: skip
         env=cli_env(),
         capture_output=True,
@@ -63,36 +80,45 @@ def real(k: int) -> dict[str, int]:
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])["by_category"]
+    runs = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {int(k): run["by_category"] for k, run in runs.items()}
 
 
-def planned(k: int) -> dict[str, int]:
-    cfg = config_from_args(build_parser().parse_args(["train", *FLAGS, *tp(k)]))
+def planned(flags: list[str], k: int) -> dict[str, int]:
+    cfg = config_from_args(build_parser().parse_args(["train", *flags, *tp(k)]))
     return simulate(resolve(cfg, WORLD), device_type="cpu").peak_by_category
 
 
-@pytest.fixture(scope="module")
-def measured():
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param("gpt", marks=pytest.mark.slow), pytest.param("hf", marks=pytest.mark.hf)],
+)
+def measured(request, tmp_path_factory):
+    if request.param == "gpt":
+        flags, whole = [*GPT, *RUN], GATHERED
+    else:
+        folder = save_llama_config(tmp_path_factory.mktemp("llama"))
+        flags, whole = ["--model", f"hf:{folder}", *RUN], GATHERED + ROTARY
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(loss, "CHUNK_BYTES", CHUNK_BYTES)
-        plan = {k: planned(k) for k in (1, 2, 4)}
-    return {"plan": plan, "real": {k: real(k) for k in (1, 2, 4)}}
+        plan = {k: planned(flags, k) for k in DEGREES}
+    return {"plan": plan, "real": real(flags), "whole": whole}
 
 
 @pytest.mark.parametrize("source", ["plan", "real"])
 def test_tp_k_holds_a_kth_of_the_activations_and_loss_temporaries(measured, source):
-    got = measured[source]
-    sharded = got[1]["activations"] - WHOLE
-    assert sharded > 10 * WHOLE, got[1]  # the check is about the sharded part
-    for k in (2, 4):
-        expected = WHOLE + sharded / k
+    got, whole = measured[source], measured["whole"]
+    sharded = got[1]["activations"] - whole
+    assert sharded > 10 * whole, got[1]  # the check is about the sharded part
+    for k in DEGREES[1:]:
+        expected = whole + sharded / k
         assert abs(got[k]["activations"] / expected - 1) < 0.1, (k, got[k], expected)
         expected = got[1]["temporaries"] / k
         assert abs(got[k]["temporaries"] / expected - 1) < 0.1, (k, got[k], expected)
 
 
 def test_plan_is_the_real_runs_memory(measured):
-    for k in (1, 2, 4):
+    for k in DEGREES:
         for category in CATEGORIES:
             plan, real = measured["plan"][k][category], measured["real"][k][category]
             assert abs(plan / real - 1) < 0.01, (k, category, plan, real)

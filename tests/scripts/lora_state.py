@@ -23,9 +23,9 @@ import tempfile
 import torch
 import torch.distributed as dist
 from scale_measure import (
-    _allocations,
     _range,
     created_by_first_step,
+    settle_after_wait,
     step_figures,
     storage_bytes,
 )
@@ -49,6 +49,7 @@ def main() -> None:
     args = build_parser().parse_args(["train", *sys.argv[1:]])
     cfg = config_from_args(args)
     dist.init_process_group("gloo")
+    settle_after_wait()
     rank, world = dist.get_rank(), dist.get_world_size()
     runtime = Runtime(rank, world, int(os.environ["LOCAL_RANK"]), torch.device("cpu"), "gloo")
     trainer = Trainer(cfg, runtime)
@@ -84,8 +85,10 @@ def main() -> None:
     counts["peak_bytes"] = step_figures(events, "measured step", base, state)["peak_bytes"]
     # The allocator's own total at its highest in the step (all it holds since the profile began,
     # the parameters' storages added), whatever the step frees or keeps.
-    start, end = _range(events, "measured step")
-    totals = [e["args"]["Total Allocated"] for e in _allocations(events) if start <= e["ts"] <= end]
+    start, end, _ = _range(events, "measured step")
+    totals = [e["args"]["Total Allocated"] for e in events
+              if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0
+              and start <= e["ts"] <= end]  # fmt: skip
     counts["peak_total_bytes"] = base + max(totals)
     for p, state in trainer.optimizer.state.items():
         counts["frozen_with_state"] += not p.requires_grad

@@ -12,9 +12,11 @@ into the running trainer (``before_fit``):
   ``scheduler`` steps the schedule once more, ``drop-batch`` moves data position and step count
   one global batch on (a run whose sampler drops the next batch: the reference of ``--on-nan skip``),
   ``scaler`` puts back a fresh gradient scaler's state (fp16);
-- ``check`` (a checkpoint path) compares, tensor by tensor and bitwise, every parameter, every
-  optimizer state tensor and hyperparameter (gathered to full), the scheduler, the train state and
-  the gradient scaler with what the checkpoint holds; each rank writes what it compared to
+- ``check`` (a checkpoint path) compares, tensor by tensor and bitwise, every parameter the
+  checkpoint saves (the state dict the checkpoint code takes: a LoRA run's adapters, not its frozen
+  base), every optimizer state tensor and hyperparameter (gathered to full), the scheduler, the
+  train state and the gradient scaler with what the checkpoint holds, and a LoRA run's frozen base
+  (gathered) with its folder's tensors; each rank writes what it compared to
   OUT_DIR/<name>.state.rank<R>.json.
 """
 
@@ -22,20 +24,28 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+)
 from torch.distributed.tensor import DTensor
 
+from fsdp2lab.checkpoint.state import state_dict_options
 from fsdp2lab.config import add_train_arguments, config_from_args
+from fsdp2lab.models import lora
+from fsdp2lab.models.hf_weights import WeightIndex
 from fsdp2lab.runtime import distributed, launch_env
 from fsdp2lab.training import session
 from fsdp2lab.training.hooks import Hooks
 
-FULL = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
+FULL = StateDictOptions(full_state_dict=True)
 
 
 def config(args: list[str]):
@@ -62,6 +72,29 @@ def differs(a, b) -> bool:
             and torch.equal(a.cpu(), b.cpu())
         )
     return a != b
+
+
+def base_against_folder(trainer) -> dict[str, bool]:
+    """A LoRA run's frozen base, gathered to full, against its folder's safetensors tensors:
+    ``{"base.<name in the files>": differs}`` for every tensor the files hold (an upcast base,
+    e.g. bf16 files in fp32, is compared with the files' tensors upcast: exact)."""
+    from safetensors.torch import load_file
+
+    folder = Path(trainer.plan.spec.source)
+    files: dict[str, torch.Tensor] = {}
+    for file in sorted(set(WeightIndex.read(folder).files.values())):
+        files.update(load_file(folder / file))
+    result = {f"base.{key}": True for key in files}  # a tensor the live model lacks differs
+    for key, value in get_model_state_dict(trainer.model, options=FULL).items():
+        if lora.is_adapter(key):
+            continue
+        value = value.full_tensor() if isinstance(value, DTensor) else value
+        name = lora.base_key(key)
+        folder_value = files.get(name)
+        result[f"base.{name}"] = folder_value is None or differs(
+            value, folder_value.to(value.dtype)
+        )
+    return result
 
 
 class Mutate(Hooks):
@@ -100,7 +133,8 @@ class CheckLoaded(Hooks):
 
     def before_fit(self, trainer) -> None:
         saved = saved_state(self.ckpt, self.out, self.name)
-        model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=FULL)
+        options = replace(state_dict_options(trainer.model), full_state_dict=True)
+        model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=options)
         compared, mismatched = [], []
         for part, live in (("model", model_sd), ("optim", optim_sd)):
             for key, value in live.items():
@@ -121,6 +155,11 @@ class CheckLoaded(Hooks):
                 mismatched.append(part)
         expected = [f"model.{k}" for k in saved["model"]] + [f"optim.{k}" for k in saved["optim"]]
         expected += [p for p in ("scaler",) if p in saved]
+        if trainer.cfg.lora_rank is not None:  # the frozen base: not saved, read from its folder
+            for key, differ in base_against_folder(trainer).items():
+                compared.append(key)
+                if differ:
+                    mismatched.append(key)
         report = {"compared": compared, "mismatched": mismatched, "expected": expected}
         rank = trainer.runtime.rank
         (self.out / f"{self.name}.state.rank{rank}.json").write_text(json.dumps(report))

@@ -3,9 +3,14 @@
 
 * collectives: the events the gloo backend itself records (``gloo:all_gather``, ...), each with
   its input's shape and dtype;
-* memory: the CPU allocator's running total of the bytes it has handed out (``profile_memory``:
-  ``Total Allocated`` at each allocation and free), plus the parameter and buffer storages made
+* memory: the CPU allocator's events (``profile_memory``: each allocation and free, its address
+  and thread) summed into a running total of the step's own blocks (gloo's worker threads'
+  staging buffers left out: ``_allocations``), plus the parameter and buffer storages made
   before the profiler started (counted here, each storage once).
+
+Each collective's wait is followed by a short pause (``settle_after_wait``), so that what the step
+does next never depends on whether gloo's worker thread has let go of the collective's tensors
+yet: the same step then measures the same peak, run after run.
 
 One warm-up step (the optimizer state made; under ``--pp`` the schedule's shapes inferred), then
 ``STEPS`` steps, each after a barrier and measured on its own. Rank 0 prints one JSON line,
@@ -22,6 +27,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -33,6 +39,7 @@ from fsdp2lab.runtime.distributed import Runtime, exit_process
 from fsdp2lab.training.trainer import Trainer
 
 STEPS = 3
+SETTLE_S = 0.005
 _ITEM = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8, "int": 4,
          "unsigned char": 1, "bool": 1}  # fmt: skip
 
@@ -51,19 +58,18 @@ def storage_bytes(model: torch.nn.Module) -> int:
 def step_figures(events: list[dict], name: str, base: int, optimizer_state: int) -> dict:
     """The gloo collectives inside record range ``name``, and the peak of live tensor bytes in it:
     the parameters and buffers (``base``), the optimizer state, the last step's gradients (what
-    the step's ``zero_grad`` frees) and the most the allocator's total rises above its value at
-    the step's start. (Under load, gloo's threads may let go of a step's buffers only steps
-    later: the total at a step's start then holds them too, and is not counted as such.)"""
-    start, end = _range(events, name)
-    zero_start, zero_end = _range(events, "Optimizer.zero_grad#", start)
+    the step's ``zero_grad`` frees) and the most the running total rises above its value at the
+    step's start."""
+    start, end, tid = _range(events, name)
+    zero_start, zero_end, _ = _range(events, "Optimizer.zero_grad#", start)
     peak, comm, at_start, grads = 0, {}, 0, 0
-    for e in _allocations(events):
-        if e["ts"] < start:
-            at_start = e["args"]["Total Allocated"]
-        elif e["ts"] <= end:
-            peak = max(peak, e["args"]["Total Allocated"])
-            if zero_start <= e["ts"] <= zero_end and e["args"]["Bytes"] < 0:
-                grads -= e["args"]["Bytes"]
+    for ts, nbytes, total in _allocations(events, tid):
+        if ts < start:
+            at_start = total
+        elif ts <= end:
+            peak = max(peak, total)
+            if zero_start <= ts <= zero_end and nbytes < 0:
+                grads -= nbytes
     for e in events:
         name = e.get("name", "")
         if start <= e.get("ts", -1) <= end and name.startswith("gloo:") and e.get("ph") == "X":
@@ -80,40 +86,74 @@ def step_figures(events: list[dict], name: str, base: int, optimizer_state: int)
     return {"peak_bytes": base + optimizer_state + grads + peak - at_start, "comm": comm}
 
 
-def _range(events: list[dict], prefix: str, after: float = 0) -> tuple[float, float]:
-    """(start, end) of the first record range named ``prefix...`` that starts at ``after`` or
-    later."""
+def _range(events: list[dict], prefix: str, after: float = 0) -> tuple[float, float, int]:
+    """(start, end, thread) of the first record range named ``prefix...`` that starts at
+    ``after`` or later."""
     e = next(
         e
         for e in events
         if e.get("ph") == "X" and e.get("name", "").startswith(prefix) and e["ts"] >= after
     )
-    return e["ts"], e["ts"] + e["dur"]
+    return e["ts"], e["ts"] + e["dur"], e["tid"]
 
 
 def created_by_first_step(events: list[dict]) -> int:
     """The bytes the optimizer's first step leaves allocated (its state): the allocator's total
     at the end of the first ``Optimizer.step#...`` range less that at its start."""
-    start, end = _range(events, "Optimizer.step#")
+    start, end, tid = _range(events, "Optimizer.step#")
     before = after = 0
-    for e in _allocations(events):  # in time order
-        if e["ts"] < start:
-            before = e["args"]["Total Allocated"]
-        if e["ts"] <= end:
-            after = e["args"]["Total Allocated"]
+    for ts, _, total in _allocations(events, tid):  # in time order
+        if ts < start:
+            before = total
+        if ts <= end:
+            after = total
     return after - before
 
 
-def _allocations(events: list[dict]) -> list[dict]:
-    """The CPU allocator's events (each allocation and free), in time order."""
+def _allocations(events: list[dict], tid: int) -> list[tuple[float, int, int]]:
+    """(time, bytes, running total) of each CPU allocator event of the step's code, in time order: the
+    blocks thread ``tid`` allocates and every free of them, and the frees of blocks made before
+    the profiler started. Left out: the blocks gloo's worker threads allocate and free themselves
+    (each collective's staging buffer, as NCCL keeps its own outside the caching allocator), whose
+    times race the step's own allocations and would move its peak from run to run."""
+    theirs: set[int] = set()
+    total, out = 0, []
     cpu = [e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0]
-    return sorted(cpu, key=lambda e: e["ts"])
+    for e in sorted(cpu, key=lambda e: e["ts"]):
+        addr, nbytes = e["args"]["Addr"], e["args"]["Bytes"]
+        if nbytes > 0 and e["tid"] != tid:
+            theirs.add(addr)
+        if addr in theirs:
+            if nbytes < 0:
+                theirs.discard(addr)
+            continue
+        total += nbytes
+        out.append((e["ts"], nbytes, total))
+    return out
+
+
+def settle_after_wait() -> None:
+    """Follow each collective's ``Work.wait`` (FSDP2's, pipelining's, the data-parallel ones) with
+    a pause of ``SETTLE_S``, in which gloo's worker thread lets go of the collective's tensors:
+    the step then goes on as the plan has it, each collective complete and its buffers freed.
+    (DTensor's functional collectives are not waited through ``Work``: under ``--tp`` a worker
+    still frees some of their tensors when it completes them, racing the step's allocations.)"""
+    work = dist.distributed_c10d.Work
+    work_wait = work.wait
+
+    def wait_and_settle(self, *args, **kwargs):
+        done = work_wait(self, *args, **kwargs)
+        time.sleep(SETTLE_S)
+        return done
+
+    work.wait = wait_and_settle
 
 
 def main() -> None:
     args = build_parser().parse_args(["train", *sys.argv[1:]])
     cfg = config_from_args(args)
     dist.init_process_group("gloo")
+    settle_after_wait()
     rank, world = dist.get_rank(), dist.get_world_size()
     runtime = Runtime(rank, world, int(os.environ["LOCAL_RANK"]), torch.device("cpu"), "gloo")
     trainer = Trainer(cfg, runtime)
