@@ -111,12 +111,15 @@ def created_by_first_step(events: list[dict]) -> int:
 
 
 def _allocations(events: list[dict], tid: int) -> list[tuple[float, int, int]]:
-    """(time, bytes, running total) of each CPU allocator event of the step's code, in time order: the
-    blocks thread ``tid`` allocates and every free of them, and the frees of blocks made before
+    """(time, bytes, running total) of each CPU allocator event of the step's code, in time order:
+    the blocks thread ``tid`` allocates and every free of them, and the frees of blocks made before
     the profiler started. Left out: the blocks gloo's worker threads allocate and free themselves
     (each collective's staging buffer, as NCCL keeps its own outside the caching allocator), whose
-    times race the step's own allocations and would move its peak from run to run."""
+    times race the step's own allocations. A block whose free the profiler did not record (under
+    ``--tp``, some of DTensor's collectives' tensors) is freed at the latest when the allocator
+    hands its address out again: counted as freed then."""
     theirs: set[int] = set()
+    ours: dict[int, int] = {}
     total, out = 0, []
     cpu = [e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0]
     for e in sorted(cpu, key=lambda e: e["ts"]):
@@ -127,6 +130,13 @@ def _allocations(events: list[dict], tid: int) -> list[tuple[float, int, int]]:
             if nbytes < 0:
                 theirs.discard(addr)
             continue
+        if nbytes > 0 and addr in ours:  # its free was not recorded
+            total -= ours[addr]
+            out.append((e["ts"], -ours[addr], total))
+        if nbytes > 0:
+            ours[addr] = nbytes
+        else:
+            ours.pop(addr, None)
         total += nbytes
         out.append((e["ts"], nbytes, total))
     return out
