@@ -215,6 +215,31 @@ def test_clipped_gradient_norm_equals_single_process(tmp_path):
     assert_close_lists(sharded.step_losses, single.step_losses, 1e-5)
 
 
+@pytest.mark.slow  # the README's test command stays under 15 minutes
+@pytest.mark.parametrize("head_unit", [True, False])
+def test_a_large_head_is_a_unit_of_its_own(tmp_path, reference, head_unit):
+    """The final norm and vocabulary projection (8,256 parameters) are one unit where they hold
+    ``--fsdp-unit-min-params``: their gradient is reduced before the blocks' backward, not held
+    by the root to its end; the losses are unchanged. Below the threshold (the control): with the
+    root."""
+    metrics = tmp_path / "run.jsonl"
+    threshold = "8000" if head_unit else "9000"
+    reports = _torchrun(
+        tmp_path, *MODELS["gpt"], *PARITY, "--fsdp-units", "layer", "--prefetch", "1",
+        "--fsdp-unit-min-params", threshold, "--metrics-file", str(metrics),
+    )  # fmt: skip
+    for report in reports:
+        assert report["head_grad_in_layer_backward"] is head_unit
+        # norm and lm_head share one FSDP state (named by the last of them)
+        assert ("lm_head" in report["prefetch"]) is head_unit
+        if head_unit:
+            assert report["prefetch"]["blocks.2"]["forward"] == ["lm_head"]
+            assert report["prefetch"]["lm_head"]["backward"] == ["blocks.2"]
+    losses = [r["loss"] for r in read_metrics(metrics) if r["event"] == "step"]
+    assert len(losses) == 20
+    assert_close_lists(losses, reference["gpt"].step_losses, 1e-5)
+
+
 def test_prefetch_and_reshard_settings_do_not_change_results(tmp_path, reference):
     metrics = tmp_path / "run.jsonl"
     reports = _torchrun(

@@ -2,7 +2,7 @@
 
 Llama 3.1 8B's config values: the plan builds the model from them on the meta device, and its
 parameters and sharded state are the 8B model's (the same count as torchtitan's model code,
-``tests/fixtures/llama3.py``); ``--tp 2`` takes the model's own tensor-parallel plan. On a small
+``tests/fixtures/llama3.py``); ``--tp 4`` computes and holds a quarter of the work. On a small
 config, the attention's activations grow linearly with the sequence: the simulation takes the
 flash kernel (output and log-sum-exp saved), not a path that materialises the score matrix.
 """
@@ -42,19 +42,30 @@ def plan_json(folder, *flags: str) -> dict:
 
 
 def test_llama_8b_from_its_config_alone(tmp_path):
+    """FSDP 8 against FSDP 2 x TP 4 (issue 37's flags). A TP 4 rank computes a quarter of FSDP 8's
+    FLOPs: every matmul is split, and what TP leaves replicated (norms, rotary embeddings, the
+    loss's elementwise work) has no matmul FLOPs. Its temporaries at the step's peak are below a
+    third of FSDP 8's: the loss is vocabulary-parallel, and the head's gradient (a unit of its
+    own) is freed before the layers' backward."""
     folder = config_folder(tmp_path / "llama-3.1-8b", **LLAMA_8B)
     common = ["--seq-len", "8192", "--batch-size", "2", "--mixed-precision", "bf16",
-              "--optimizer", "adamw", "--activation-checkpointing", "full", "--gpu", "h100"]  # fmt: skip
-    fsdp = plan_json(folder, *common, "--world-size", "8")
+              "--optimizer", "adamw", "--activation-checkpointing", "full", "--gpu", "h100-96gb",
+              "--world-size", "8"]  # fmt: skip
+    fsdp = plan_json(folder, *common)
     assert fsdp["params_total"] == PARAMS_8B
     assert fsdp["mesh"] == {"dp_shard": 8}
     # fp32 parameter and gradient, AdamW's two moments: 16 bytes a parameter, an eighth of them
     assert abs(fsdp["state_bytes_per_rank"] - 16 * PARAMS_8B / 8) < 1e-4 * 16 * PARAMS_8B / 8
     assert fsdp["fits"] is True
-    tp = plan_json(folder, *common, "--world-size", "8", "--tp", "2")
-    assert tp["mesh"] == {"dp_shard": 4, "tp": 2}
+    tp = plan_json(folder, *common, "--tp", "4")
+    assert tp["mesh"] == {"dp_shard": 2, "tp": 4}
     assert abs(tp["state_bytes_per_rank"] - fsdp["state_bytes_per_rank"]) < 1e-3 * 16e9 / 8
     assert set(tp["comm_bytes_per_step"]) == {"dp_shard", "tp"}
+    (f,), (t,) = fsdp["roles"], tp["roles"]
+    assert t["flops_per_step"] == pytest.approx(f["flops_per_step"] / 4, rel=1e-3)
+    assert t["time"]["compute_s"] == pytest.approx(f["time"]["compute_s"] / 4, rel=1e-3)
+    ratio = t["memory"]["temporaries"] / f["memory"]["temporaries"]
+    assert ratio < 1 / 3, (ratio, t["memory"], f["memory"])
 
 
 def test_attention_memory_is_linear_in_the_sequence(tmp_path):

@@ -176,8 +176,9 @@ class TrainConfig:
     )
     fsdp_unit_min_params: int | None = _opt(
         None,
-        "--fsdp-units auto: fewest parameters per unit, a smaller rest joins the last "
-        "(default: 4,000,000 on CPU/gloo, 1,000,000 on GPU)",
+        "--fsdp-units auto: fewest parameters per unit, a smaller rest joins the last; also "
+        "the size from which a model's output head (final norm, vocabulary projection) is a "
+        "unit of its own (default: 4,000,000 on CPU/gloo, 1,000,000 on GPU)",
     )
     activation_checkpointing: str = _opt(
         "none",

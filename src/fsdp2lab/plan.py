@@ -45,6 +45,7 @@ class RunPlan:
     micro_batch: int  # samples per rank per forward/backward
     spec: ModelSpec
     units: tuple[str, ...]  # the model's sharding (and AC, compile) units
+    head: tuple[str, ...] = ()  # the output head's modules: a sharding unit after the layers
     # Module names per pipeline stage (--pp) or per device (--strategy model-parallel).
     stages: tuple[tuple[str, ...], ...] = ()
     n_microbatches: int = 1  # --pp: micro-batches per step
@@ -98,6 +99,8 @@ def resolve(cfg: TrainConfig, world_size: int, device_type: str | None = None) -
     )  # the model's own checks, at no memory cost
     units = tuple(spec.units(model))
     _check_names(model, units, "sharding unit")
+    head = tuple(spec.head(model))
+    _check_names(model, head, "head module")
     if cfg.lora_rank is not None:  # adapters on the meta model: sharded with their layer
         cfg, spec, model = _with_lora(cfg, spec, model)
     if is_reference(cfg.model) and not is_reference(cfg.dataset):  # yours: checked when loaded
@@ -145,6 +148,7 @@ def resolve(cfg: TrainConfig, world_size: int, device_type: str | None = None) -
         micro_batch=micro_batch,
         spec=spec,
         units=units,
+        head=head,
         stages=stages,
         n_microbatches=n_microbatches,
         params_total=sum(p.numel() for p in model.parameters()),

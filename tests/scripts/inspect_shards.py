@@ -1,5 +1,6 @@
 """Run under torchrun: build a Trainer from ``fsdp2lab train`` flags, train, and report per rank
-how its parameters are held and which FSDP modules prefetch which (as JSON in
+how its parameters are held, which FSDP modules prefetch which, and (a gpt) whether the output
+head's gradient was already reduced when the first block's backward began (as JSON in
 $OUT_DIR/rank<N>.json) for tests/test_fsdp2.py."""
 
 import argparse
@@ -32,6 +33,20 @@ def prefetch_lists(model) -> dict:
     }
 
 
+def watch_head_gradient(model) -> dict:
+    """{"head_grad_in_layer_backward": bool}, filled when the first step's backward reaches the
+    first block: whether the head's sharded gradient was set by then (its own unit's reduce-scatter
+    ran) or not (the root's, at the end of the backward)."""
+    seen: dict = {}
+    head = model.get_submodule("lm_head").weight
+
+    def pre_hook(module, grad_output):
+        seen.setdefault("head_grad_in_layer_backward", head.grad is not None)
+
+    model.get_submodule("blocks.0.mlp").register_full_backward_pre_hook(pre_hook)
+    return seen
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     add_train_arguments(parser)
@@ -39,6 +54,7 @@ def main() -> None:
     runtime = distributed.init(launch_env.detect(), cfg.device)
     try:
         trainer = Trainer(cfg, runtime)
+        head = watch_head_gradient(trainer.model) if cfg.model == "gpt" else {}
         trainer.fit()
         report = {
             "params": {
@@ -57,6 +73,7 @@ def main() -> None:
                 for name, p in trainer.model.named_parameters()
             },
             "prefetch": prefetch_lists(trainer.model),
+            **head,
         }
         with open(os.path.join(os.environ["OUT_DIR"], f"rank{runtime.rank}.json"), "w") as f:
             json.dump(report, f)

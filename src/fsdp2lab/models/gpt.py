@@ -193,6 +193,7 @@ SPEC = ModelSpec(
     datasets=("synthetic", "text", "tokens"),
     default_dataset="synthetic",
     units=blocks,
+    head=lambda m: ["norm", "lm_head"],
     tp_plan=tp_plan,
     tp_sizes=lambda m: {
         "--n-heads": m.cfg.n_heads,

@@ -168,6 +168,7 @@ def spec(reference: str, cfg) -> ModelSpec:
         datasets=("synthetic", "text", "tokens"),
         default_dataset="synthetic",
         units=infer_units,
+        head=head,
         tp_plan=tp_plan_of(config),
         tp_plan_name=tp_plan_name(config),
         tp_sizes=tp_sizes,
@@ -178,6 +179,16 @@ def spec(reference: str, cfg) -> ModelSpec:
         load_weights=None if index is None else index.load,
         source=str(folder),
     )
+
+
+def head(model: nn.Module) -> list[str]:
+    """The base model's final ``norm`` (where it has one) and the output projection; none where the
+    projection is tied to the embedding (one parameter: it stays with the embedding, in the root)."""
+    out, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if out is None or (embedding is not None and out.weight is embedding.weight):
+        return []
+    names = {module: name for name, module in model.named_modules()}
+    return [names[m] for m in (getattr(model.base_model, "norm", None), out) if m is not None]
 
 
 # ---------------------------------------------------------------------------- pipeline stages

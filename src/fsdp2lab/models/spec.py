@@ -4,6 +4,9 @@ Every plan is written in module names (FQNs), never as code that re-runs the mod
 
 * ``units``: the modules sharded one ``fully_shard`` each (transformer blocks, conv/linear layers);
   also the units of activation checkpointing and ``torch.compile``.
+* ``head``: the output head's modules (final norm, vocabulary projection), sharded as one unit of
+  their own after the layers where they are large (their gradient is reduce-scattered and freed
+  before the layers' backward, instead of being held to the end of the step by the root).
 * ``tp_plan``: ``{module name: ParallelStyle}`` for ``parallelize_module``; ``tp_sizes`` the sizes
   ``--tp`` must divide.
 * ``pipeline``: the modules in forward order. A pipeline stage is the model with the modules of
@@ -68,6 +71,10 @@ def no_sizes(model: nn.Module) -> dict[str, int]:
     return {}
 
 
+def no_head(model: nn.Module) -> list[str]:
+    return []
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
@@ -77,6 +84,7 @@ class ModelSpec:
     datasets: tuple[str, ...]  # datasets whose samples fit the model
     default_dataset: str  # what --dataset auto tries first
     units: Callable[[nn.Module], list[str]] = infer_units
+    head: Callable[[nn.Module], list[str]] = no_head
     tp_plan: Callable[[nn.Module], dict[str, Any]] | None = None
     tp_plan_name: str | None = None  # which plan it is, for the log (where a model has several)
     tp_sizes: Callable[[nn.Module], dict[str, int]] = no_sizes

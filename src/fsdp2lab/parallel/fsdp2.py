@@ -39,6 +39,7 @@ def apply_fsdp(
     dp_mesh: DeviceMesh,
     units: list[nn.Module],
     *,
+    head: list[nn.Module] | None = None,
     precision: str = "fp32",
     reshard_after_forward: bool | int = True,
     cpu_offload: bool = False,
@@ -48,9 +49,11 @@ def apply_fsdp(
     unit_min_params: int | None = None,
     reduce_every_micro_batch: bool = False,
 ) -> nn.Module:
-    """Shard the units (grouped by ``unit_policy``), then the root, which takes the parameters
-    no unit holds. The root and the last unit keep their parameters gathered from forward to
-    backward, which needs them first.
+    """Shard the units (grouped by ``unit_policy``), the ``head`` modules as one more unit where
+    they hold ``unit_min_params`` (a large vocabulary's projection: its gradient is then reduced
+    and freed before the layers' backward, not held to the end of the step by the root), then the
+    root, which takes the parameters no unit holds. The root and the last unit keep their
+    parameters gathered from forward to backward, which needs them first.
 
     ``prefetch`` > 0 sets explicit prefetching: each unit's forward all-gathers the next
     ``prefetch`` units, and its backward the previous ones (on CPU, asynchronously, so that they
@@ -63,6 +66,8 @@ def apply_fsdp(
     )
     min_params = unit_min_params or default_unit_min_params(dp_mesh.device_type)
     groups = unit_groups(units, unit_policy, min_params)
+    if groups and head and sum(_numel(m) for m in head) >= min_params:
+        groups.append(head)
     for i, group in enumerate(groups):
         # The last unit's parameters are needed again at once by backward: keep them gathered.
         last = i == len(groups) - 1

@@ -38,6 +38,7 @@ class RunPlan(Protocol):
     spec: ModelSpec
     strategy: Strategy
     units: tuple[str, ...]  # the sharding (and AC, compile) units, by module name
+    head: tuple[str, ...]  # the output head's modules, by name
     stages: tuple[tuple[str, ...], ...]  # module names per pipeline stage or device
     meta_model: nn.Module
 
@@ -90,6 +91,7 @@ def _fsdp2(model: nn.Module, plan: RunPlan, mesh: DeviceMesh, device: torch.devi
         model,
         dp_mesh(mesh),
         [module for _, module in held_units(model, plan.units)],
+        head=[module for _, module in held_units(model, plan.head)],
         precision=cfg.mixed_precision,
         reshard_after_forward=cfg.reshard_value(),
         cpu_offload=cfg.cpu_offload,
