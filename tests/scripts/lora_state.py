@@ -17,24 +17,19 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
 from scale_measure import (
     _range,
     created_by_first_step,
-    settle_after_wait,
+    profiled_steps,
+    start_trainer,
     step_figures,
     storage_bytes,
 )
-from torch.profiler import ProfilerActivity, profile, record_function
 
-from fsdp2lab.cli import build_parser
-from fsdp2lab.config import config_from_args
-from fsdp2lab.runtime.distributed import Runtime, exit_process
-from fsdp2lab.training.trainer import Trainer
+from fsdp2lab.runtime.distributed import exit_process
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -46,28 +41,9 @@ def local_bytes(t: torch.Tensor) -> int:
 
 
 def main() -> None:
-    args = build_parser().parse_args(["train", *sys.argv[1:]])
-    cfg = config_from_args(args)
-    dist.init_process_group("gloo")
-    settle_after_wait()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    runtime = Runtime(rank, world, int(os.environ["LOCAL_RANK"]), torch.device("cpu"), "gloo")
-    trainer = Trainer(cfg, runtime)
-    trainer.sampler.set_epoch(1, 0)
-    batches = iter(trainer.loader)
+    trainer, rank, world = start_trainer()
     base = storage_bytes(trainer.model)
-    with profile(
-        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True
-    ) as prof:
-        trainer.train_step(batches)  # the optimizer state made
-        dist.barrier()
-        with record_function("measured step"):
-            trainer.train_step(batches)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
+    events = profiled_steps(trainer, ["measured step"])
     counts = dict.fromkeys(("frozen_param_bytes", "adapter_param_bytes", "grad_bytes",
                             "optimizer_state_bytes", "frozen_with_grad", "frozen_with_state"), 0)  # fmt: skip
     grad_storages: dict[int, int] = {}

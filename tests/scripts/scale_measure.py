@@ -159,7 +159,9 @@ def settle_after_wait() -> None:
     work.wait = wait_and_settle
 
 
-def main() -> None:
+def start_trainer() -> tuple[Trainer, int, int]:
+    """This rank's Trainer from the ``train`` flags on the command line (gloo, every collective's
+    wait followed by the pause), at the start of epoch 1: (trainer, rank, world size)."""
     args = build_parser().parse_args(["train", *sys.argv[1:]])
     cfg = config_from_args(args)
     dist.init_process_group("gloo")
@@ -168,21 +170,32 @@ def main() -> None:
     runtime = Runtime(rank, world, int(os.environ["LOCAL_RANK"]), torch.device("cpu"), "gloo")
     trainer = Trainer(cfg, runtime)
     trainer.sampler.set_epoch(1, 0)
+    return trainer, rank, world
+
+
+def profiled_steps(trainer: Trainer, names: list[str]) -> list[dict]:
+    """The profiler's trace events of a first step (the optimizer state made), then one step per
+    name, each after a barrier and recorded under that name."""
     batches = iter(trainer.loader)
-    base = storage_bytes(trainer.model)
     with profile(
         activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True
     ) as prof:
         trainer.train_step(batches)
-        for i in range(STEPS):
+        for name in names:
             dist.barrier()
-            with record_function(f"measured step {i}"):
+            with record_function(name):
                 trainer.train_step(batches)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
-            events = json.load(f)["traceEvents"]
+            return json.load(f)["traceEvents"]
+
+
+def main() -> None:
+    trainer, rank, world = start_trainer()
+    base = storage_bytes(trainer.model)
+    events = profiled_steps(trainer, [f"measured step {i}" for i in range(STEPS)])
     state = created_by_first_step(events)
     result = {
         "optimizer_state_bytes": state,
