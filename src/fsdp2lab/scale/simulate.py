@@ -160,7 +160,26 @@ def _tensors(value) -> list[torch.Tensor]:
     return []
 
 
-class StepCounter(TorchDispatchMode):
+class SeesShapeInference:
+    """A dispatch mode's mixin: while the mode is entered, ``self._inferring()`` says whether
+    DTensor is running ops to infer an output's global shape (``dtensor_shape_inference``)."""
+
+    def _inferring(self) -> bool:
+        return False
+
+    def __enter__(self):
+        self._inference = contextlib.ExitStack()
+        self._inferring = self._inference.enter_context(dtensor_shape_inference())
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._inference.close()
+
+
+class StepCounter(SeesShapeInference, TorchDispatchMode):
     """Counts the FLOPs (``torch.utils.flop_counter``'s formulas) and the c10d collectives, by
     the mesh dimension of their group, dispatched while active.
 
@@ -179,18 +198,6 @@ class StepCounter(TorchDispatchMode):
         self.group_dims = group_dims  # process group name -> mesh dimension name
         self.comm: dict[str, dict[str, Collective]] = defaultdict(lambda: defaultdict(Collective))
         self.flops = 0
-        self._inference = contextlib.ExitStack()
-        self._inferring = lambda: False
-
-    def __enter__(self):
-        self._inferring = self._inference.enter_context(dtensor_shape_inference())
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        try:
-            return super().__exit__(*exc)
-        finally:
-            self._inference.close()
 
     def get_total_flops(self) -> int:
         return self.flops
@@ -241,7 +248,7 @@ def defer_to_dtensor(types) -> bool:
     return any(issubclass(t, DTensor) for t in types)
 
 
-class LocalFlopCounter(TorchDispatchMode):
+class LocalFlopCounter(SeesShapeInference, TorchDispatchMode):
     """Entered just after torch's ``counter`` (a ``FlopCounterMode``), so above it: ops on
     DTensors go to DTensor's dispatch (:func:`defer_to_dtensor`), and the counter counts the
     FLOPs of the local ops this rank runs; the ops DTensor runs to infer an output's global
@@ -251,18 +258,6 @@ class LocalFlopCounter(TorchDispatchMode):
     def __init__(self, counter):
         super().__init__()
         self.counter = counter
-        self._inference = contextlib.ExitStack()
-        self._inferring = lambda: False
-
-    def __enter__(self):
-        self._inferring = self._inference.enter_context(dtensor_shape_inference())
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        try:
-            return super().__exit__(*exc)
-        finally:
-            self._inference.close()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if defer_to_dtensor(types):
@@ -402,18 +397,7 @@ def memory_tracker(model, optimizer):
     vocabulary's log-softmax for the vocabulary-parallel loss."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-    class Tracker(FSDPMemTracker):
-        def __enter__(self):
-            self._inference = contextlib.ExitStack()
-            self._inferring = self._inference.enter_context(dtensor_shape_inference())
-            return super().__enter__()
-
-        def __exit__(self, *exc):
-            try:
-                return super().__exit__(*exc)
-            finally:
-                self._inference.close()
-
+    class Tracker(SeesShapeInference, FSDPMemTracker):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if self._inferring():
                 return func(*args, **(kwargs or {}))
