@@ -211,18 +211,23 @@ def _loader_json(loader_state: dict) -> str | None:
         return None
 
 
-def capture(trainer: Checkpointable) -> dict:
-    """The state dict to save. Tensors alias the live ones: save (or stage) it before training on."""
+def _training_state(trainer: Checkpointable) -> dict:
+    """The model's and optimizer's state dicts (the live tensors), the scheduler's, the train state."""
     options = state_dict_options(trainer.model)
     model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=options)
-    state = {
+    return {
         MODEL: model_sd,
         OPTIM: optim_sd,
         SCHEDULER: trainer.scheduler.state_dict(),
         TRAIN_STATE: asdict(trainer.state),
-        RUN: json.dumps(run_info(trainer)),
-        RANKS: {str(trainer.runtime.rank): _rank_state(trainer)},
     }
+
+
+def capture(trainer: Checkpointable) -> dict:
+    """The state dict to save. Tensors alias the live ones: save (or stage) it before training on."""
+    state = _training_state(trainer)
+    state[RUN] = json.dumps(run_info(trainer))
+    state[RANKS] = {str(trainer.runtime.rank): _rank_state(trainer)}
     if trainer.scaler is not None:
         state[SCALER] = trainer.scaler.state_dict()
     return state
@@ -240,14 +245,7 @@ def template(trainer: Checkpointable, ckpt: Checkpoint) -> dict:
         return {
             MODEL: get_model_state_dict(trainer.model, options=state_dict_options(trainer.model))
         }
-    options = state_dict_options(trainer.model)
-    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=options)
-    state = {
-        MODEL: model_sd,
-        OPTIM: optim_sd,
-        SCHEDULER: trainer.scheduler.state_dict(),
-        TRAIN_STATE: asdict(trainer.state),
-    }
+    state = _training_state(trainer)
     if trainer.scaler is not None and SCALER in ckpt.contents:  # else a fresh scaler starts
         state[SCALER] = trainer.scaler.state_dict()
     mine = own_rank_keys(trainer, ckpt)
