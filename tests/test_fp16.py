@@ -164,7 +164,8 @@ def _guard_input(loss: float, grad: float, scaler: bool):
         scaler=torch.amp.GradScaler("cpu") if scaler else None,
         model=torch.nn.ParameterList([param]),
         state=TrainState(step=6),
-        step_norm_checks=False,  # as the trainer sets it under fp16: its norm carries no loss
+        step_loss_verdict=None,  # as the trainer sets it under fp16: its norm carries no loss
+        optimizer=torch.optim.SGD([param]),  # no device skip: the verdict is read at once
     )
     return trainer, torch.tensor(loss)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 import pytest
 import torch
@@ -205,8 +206,9 @@ def test_the_nan_guard_finds_every_non_finite_value_anywhere(dtype):
 
 
 def test_the_loss_rides_on_the_gradient_norms_all_reduce_under_plain_fsdp(one_rank, monkeypatch):
-    """Plain FSDP: a non-finite loss makes the (all-reduced) norm NaN, a finite one leaves its
-    bits alone; the NaN guard then decides from the norm, with no collective of its own."""
+    """Plain FSDP: whether the loss is finite rides on the norm's all-reduce as a second element
+    (the norm's bits stay those of the plain norm); the NaN guard then decides from the norm and
+    that verdict, with no collective of its own, and leaves the verdict on the device."""
     from types import SimpleNamespace
 
     import torch.distributed as dist
@@ -221,30 +223,32 @@ def test_the_loss_rides_on_the_gradient_norms_all_reduce_under_plain_fsdp(one_ra
     apply_fsdp(model, init_device_mesh("cpu", (1,)), list(model))
     model(torch.randn(3, 4)).sum().backward()
     params = list(model.parameters())
-    plain, folded = total_grad_norm(params)
-    assert not folded
+    plain, verdict = total_grad_norm(params)
+    assert verdict is None
     for loss in (torch.tensor(2.5), torch.tensor(-0.0)):
-        norm, folded = total_grad_norm(params, flag=loss)
-        assert folded and torch.equal(norm, plain)
+        norm, verdict = total_grad_norm(params, flag=loss)
+        assert torch.equal(norm, plain) and float(verdict) == 0.0
     for bad in (float("nan"), float("inf"), float("-inf")):
-        norm, folded = total_grad_norm(params, flag=torch.tensor(bad))
-        assert folded and torch.isnan(norm)
+        norm, verdict = total_grad_norm(params, flag=torch.tensor(bad))
+        assert torch.equal(norm, plain) and float(verdict) == 1.0
 
     def no_collective(*args, **kwargs):
         raise AssertionError("the guard ran a collective of its own")
 
     monkeypatch.setattr(dist, "all_reduce", no_collective)
-    guard = NanGuard(one_rank, "skip")
+    optimizer = torch.optim.AdamW(params, fused=True)
     trainer = SimpleNamespace(device=torch.device("cpu"), scaler=None, model=model,
-                              step_norm_checks=True, last_grad_norm=plain,
+                              optimizer=optimizer, last_grad_norm=plain,
+                              step_loss_verdict=torch.tensor(0.0),
                               state=SimpleNamespace(step=0))  # fmt: skip
-    assert guard.before_optimizer_step(trainer, torch.tensor(1.0)) is False  # finite: update
-    # The verdict is the norm's: a NaN norm skips even where this rank's loss and gradients are
-    # finite (another rank's loss rode on it), and is ignored where the norm carries no loss.
-    trainer.last_grad_norm = torch.tensor(float("nan"))
-    assert guard.before_optimizer_step(trainer, torch.tensor(1.0)) is True
-    trainer.step_norm_checks = False
-    assert guard.before_optimizer_step(trainer, torch.tensor(1.0)) is False
+    guard = NanGuard(one_rank, "skip")
+    assert float(guard.before_optimizer_step(trainer, torch.tensor(1.0))) == 0.0  # update
+    # Another rank's loss was not finite (the verdict says so): the update is dropped.
+    trainer.step_loss_verdict = torch.tensor(1.0)
+    assert float(guard.before_optimizer_step(trainer, torch.tensor(1.0))) == 1.0
+    # A NaN norm is a non-finite gradient.
+    trainer.step_loss_verdict, trainer.last_grad_norm = torch.tensor(0.0), torch.tensor(math.nan)
+    assert float(guard.before_optimizer_step(trainer, torch.tensor(1.0))) == 1.0
 
 
 def test_reserved_memory_counts_the_sharded_gradients_once():

@@ -9,8 +9,9 @@ into the running trainer (``before_fit``):
 
 - ``mutate`` (optional) changes that trainer's state, a negative control: ``optim-row`` zeroes
   one row of one optimizer state tensor, ``data`` moves the data position one global batch on,
-  ``scheduler`` steps the schedule once more, ``drop-batch`` moves data position and step count
-  one global batch on (a run whose sampler drops the next batch: the reference of ``--on-nan skip``),
+  ``scheduler`` steps the schedule once more, ``drop-batch`` moves data position, step count and
+  a per-step schedule one step on (a run whose sampler drops the next batch: the reference of
+  ``--on-nan skip``),
   ``scaler`` puts back a fresh gradient scaler's state (fp16);
 - ``check`` (a checkpoint path) compares, tensor by tensor and bitwise, every parameter the
   checkpoint saves (the state dict the checkpoint code takes: a LoRA run's adapters, not its frozen
@@ -116,7 +117,10 @@ class Mutate(Hooks):
         elif self.what in ("data", "drop-batch"):
             st.samples_seen += batch
             st.epoch_samples += batch
-            st.step += self.what == "drop-batch"
+            if self.what == "drop-batch":
+                st.step += 1
+                if trainer.scheduler_unit == "step":
+                    trainer.scheduler.step()
         elif self.what == "scheduler":
             trainer.scheduler.step()
         elif self.what == "scaler":

@@ -134,7 +134,7 @@ def sync_context(model: nn.Module, sync: bool) -> contextlib.AbstractContextMana
 
 def clip_grad_norm(
     model: nn.Module, max_norm: float | None, flag: torch.Tensor | None = None
-) -> tuple[torch.Tensor, bool]:
+) -> tuple[torch.Tensor, None]:
     """The full gradient norm (each rank holds shards of flat gradients); clip if ``max_norm``.
     ``flag`` does not ride on FSDP1's own reduction."""
-    return model.clip_grad_norm_(math.inf if max_norm is None else max_norm), False
+    return model.clip_grad_norm_(math.inf if max_norm is None else max_norm), None

@@ -45,10 +45,13 @@ def _onto_mesh_device(norm: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(local.to(device), norm.device_mesh, norm.placements, run_check=False)
 
 
-def _sharded_norm(grads: list[torch.Tensor], flag: torch.Tensor | None) -> torch.Tensor | None:
+def _sharded_norm(
+    grads: list[torch.Tensor], flag: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """The norm of gradients on one mesh, from their local shards, where the mesh is 1-D and
-    every gradient is sharded over it; None for any other layout. A non-finite ``flag`` on any
-    rank makes the norm NaN on every rank (it rides on the same all-reduce)."""
+    every gradient is sharded over it; None for any other layout. With ``flag`` (a value per
+    rank), whether it is non-finite on some rank (1.0) or on none (0.0) rides on the same
+    all-reduce, as a second element."""
     mesh = grads[0].device_mesh if isinstance(grads[0], DTensor) else None
     if mesh is None or mesh.ndim != 1:
         return None
@@ -56,21 +59,23 @@ def _sharded_norm(grads: list[torch.Tensor], flag: torch.Tensor | None) -> torch
         return None
     local = torch.nn.utils.get_total_norm([g.to_local() for g in grads], norm_type=2.0)
     device = collective_device(mesh)
-    squares = local.float().reshape(1).to(device) ** 2
-    if flag is not None:  # + 0 where the flag is finite (the same bits), NaN where it is not
-        squares = squares + 0 * flag.float().to(device)
-    dist.all_reduce(squares, group=mesh.get_group())
-    return squares.sqrt()[0]
+    values = local.float().reshape(1).to(device) ** 2
+    if flag is not None:
+        bad = (~torch.isfinite(flag.detach())).float().reshape(1).to(device)
+        values = torch.cat([values, bad])
+    dist.all_reduce(values, group=mesh.get_group())
+    return values[0].sqrt(), (values[1].clamp(max=1.0) if flag is not None else None)
 
 
 def total_grad_norm(
     parameters, pp_group: dist.ProcessGroup | None = None, flag: torch.Tensor | None = None
-) -> tuple[torch.Tensor, bool]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The norm of all gradients; with ``pp_group``, over the parameters of every pipeline stage.
 
     With ``flag`` (a value per rank, e.g. its loss), where the norm's own all-reduce spans every
-    rank that holds gradients (one 1-D mesh shards them all: plain FSDP), the flag rides on it: the
-    norm is NaN on every rank if the flag is not finite on one. Returns (norm, whether it did)."""
+    rank that holds gradients (one 1-D mesh shards them all: plain FSDP), whether the flag is
+    non-finite on some rank rides on it. Returns (norm, that verdict as a 0-dim 1.0/0.0 tensor on
+    the norm's device, or None where it could not ride)."""
     parameters = list(parameters)
     # Gradients on different meshes (a TP plan that leaves some layers whole: those are sharded
     # over the data-parallel mesh only) are normed per mesh, then combined.
@@ -80,12 +85,13 @@ def total_grad_norm(
             mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
             by_mesh.setdefault(mesh, []).append(p.grad)
     squares: torch.Tensor | None = None
-    folded = False
+    verdict = None
     for grads in by_mesh.values():
-        part = _sharded_norm(grads, flag if len(by_mesh) == 1 else None)
-        folded = part is not None and flag is not None and len(by_mesh) == 1
-        if part is None:
+        sharded = _sharded_norm(grads, flag if len(by_mesh) == 1 else None)
+        if sharded is None:
             part = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        else:
+            part, verdict = sharded
         if isinstance(part, DTensor):
             part = _onto_mesh_device(part).full_tensor()
         squared = part.float() ** 2
@@ -99,7 +105,7 @@ def total_grad_norm(
         squared = norm.float().to(collective_device(pp_group)) ** 2
         dist.all_reduce(squared, group=pp_group)
         norm = squared.sqrt()
-    return norm, folded
+    return norm, verdict
 
 
 def _device(parameters: list[torch.Tensor]) -> torch.device:
@@ -111,11 +117,11 @@ def clip_grad_norm_(
     max_norm: float | None,
     pp_group: dist.ProcessGroup | None = None,
     flag: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, bool]:
-    """The full gradient norm (and whether ``flag`` rode on it: ``total_grad_norm``); scale the
-    gradients down to ``max_norm`` if it is given."""
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The full gradient norm (and the verdict on ``flag`` where it rode on the norm's all-reduce:
+    ``total_grad_norm``); scale the gradients down to ``max_norm`` if it is given."""
     parameters = list(parameters)
-    norm, folded = total_grad_norm(parameters, pp_group, flag)
+    norm, verdict = total_grad_norm(parameters, pp_group, flag)
     if max_norm is not None:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
-    return norm, folded
+    return norm, verdict

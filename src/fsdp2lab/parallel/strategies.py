@@ -45,7 +45,7 @@ class RunPlan(Protocol):
 
 def _clip_grad_norm(
     model: nn.Module, max_norm: float | None, flag: torch.Tensor | None = None
-) -> tuple[torch.Tensor, bool]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     return clip_grad_norm_(model.parameters(), max_norm, pp.stage_group(model), flag)
 
 
@@ -69,8 +69,9 @@ class Strategy:
     # model materialised and initialised before ``parallelize``; the others after it (meta init).
     materialize_first: bool = False
     # The full gradient norm, clipped to ``max_norm`` if given (FSDP1 holds shards of flat grads).
-    # (model, max_norm, flag) -> (the full gradient norm, whether the flag rode on its all-reduce)
-    clip_grad_norm: Callable[..., tuple[torch.Tensor, bool]] = _clip_grad_norm
+    # (model, max_norm, flag) -> (the full gradient norm, whether the flag is non-finite on some
+    # rank where that rode on the norm's all-reduce, else None)
+    clip_grad_norm: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] = _clip_grad_norm
 
 
 def _fsdp2(model: nn.Module, plan: RunPlan, mesh: DeviceMesh, device: torch.device) -> nn.Module:

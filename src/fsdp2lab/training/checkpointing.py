@@ -180,6 +180,7 @@ class CheckpointManager(Hooks):
         if self.root is None or step == self.last_saved_step:
             return
         self._wait()
+        trainer.settle()  # the NaN guard's verdicts up to this step first
         path = layout.step_dir(self.root, step)
         self.last_saved_step = step
         if layout.is_complete(path):

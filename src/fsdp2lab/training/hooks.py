@@ -28,11 +28,19 @@ class Hooks:
 
     def before_fit(self, trainer: Trainer) -> None: ...
     def epoch_started(self, trainer: Trainer) -> None: ...  # data iterator made, no step yet
-    def before_optimizer_step(self, trainer: Trainer, loss: torch.Tensor) -> bool:
-        """Gradients are ready; return True to drop this step's update."""
+    def before_optimizer_step(self, trainer: Trainer, loss: torch.Tensor) -> bool | torch.Tensor:
+        """Gradients are ready; return True to drop this step's update, or a 0-dim tensor on the
+        device that drops it where it is 1.0 (only where ``optim.skips_on_device``)."""
         return False
 
+    def settle(self, trainer: Trainer) -> None:
+        """Read what the device decided since the last call (step records, epoch ends, saves)."""
+
     def after_step(self, trainer: Trainer) -> None: ...
+    def after_step_record(self, trainer: Trainer, record: dict) -> None:
+        """A step record was written (when its values reached the host: a step or more after
+        its own step on a GPU)."""
+
     def after_eval(self, trainer: Trainer, record: dict) -> None:
         """An evaluation ran: ``record`` is its ``eval`` metrics record (step, epoch,
         elapsed_s, test_loss, test_accuracy, ...)."""

@@ -1,21 +1,25 @@
 """``--on-nan stop|skip``: a non-finite loss or gradient never reaches the weights or a checkpoint.
 
 Between backward and the optimizer step every rank folds its loss and its (local shards of the)
-gradients into one finiteness flag (``torch._foreach_norm`` with ord inf: one fused pass, no
-overflow, NaN propagates), one one-element all-reduce (MAX) makes it global and one host read
-gives the verdict. On a step that computes the gradient norm over one all-reduce of every rank
-(plain FSDP; ``parallel/grad_norm.py``) the loss rides on that all-reduce and the norm is the
-verdict: no collective of the guard's own. Only on a bad step a second all-reduce (of two flags) tells the loss from the
-gradients in the message.
+gradients into two finiteness flags (``torch._foreach_norm`` with ord inf: one fused pass, no
+overflow, NaN propagates), and one all-reduce (MAX) makes them global. On a step that computes the
+gradient norm over one all-reduce of every rank (plain FSDP; ``parallel/grad_norm.py``) the loss's
+flag rides on that all-reduce and the norm is the gradients' flag: no collective of the guard's own.
 
-``stop`` raises ``TrainingFailed`` before the update: no checkpoint of that step or later is saved,
-and ``--resume auto`` restarts from the newest one, all finite. ``skip`` drops the step's update:
-gradients zeroed, no optimizer or scheduler step, so weights, optimizer state and schedule stay
-those of the step before; the step counts and its global batch is consumed.
+The verdict stays on the device. With an optimizer that takes a device flag (torch's fused Adam and
+AdamW, as under a GradScaler: ``found_inf``) the update is dropped there, and the host reads the
+flags later, at the next step record, epoch end or checkpoint (``settle``), when they are ready: a
+step that writes no record waits for nothing. ``stop`` drops every update from the bad step on and
+raises ``TrainingFailed`` at that read, naming the bad step; no checkpoint is saved after it, and
+``--resume auto`` restarts from the newest one, all finite. ``skip`` drops that step's update only:
+no optimizer step (Adam's own step count stays), so weights and optimizer state stay those of the
+step before; the step counts, its global batch is consumed and the schedule moves on, as after a
+GradScaler's skipped step. One line per skipped step says so.
 
-With fp16 the gradient scaler owns the gradients: an overflow there is routine (it skips that
-update and lowers its scale), so only the loss is checked. A skipped step under fp16 also lets the
-scaler record it as an overflow (its scale backs off, as after any inf).
+Other optimizers (Adadelta, SGD) and fp16, whose scaler owns the gradients, read the verdict on the
+host every step (one device sync). With fp16 an overflow is routine (the scaler skips that update
+and lowers its scale), so only the loss is checked; a skipped step also lets the scaler record it
+as an overflow (its scale backs off, as after any inf).
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from torch.distributed.tensor import DTensor
 from fsdp2lab.errors import TrainingFailed
 from fsdp2lab.runtime import logs
 from fsdp2lab.runtime.distributed import Runtime
+from fsdp2lab.training.device_reads import AsyncRead
 from fsdp2lab.training.hooks import Hooks
+from fsdp2lab.training.optim import skips_on_device
 
 if TYPE_CHECKING:
     from fsdp2lab.training.trainer import Trainer
@@ -72,28 +78,73 @@ def all_finite(tensors, device: torch.device) -> bool:
 
 
 class NanGuard(Hooks):
+    # Verdicts are sent to the host at least this often (bounded memory), and at step records.
+    SEND_EVERY = 100
+
     def __init__(self, runtime: Runtime, policy: str):
         self.runtime, self.policy = runtime, policy
+        self.unsent: list[tuple[int, torch.Tensor]] = []  # (step, its global [loss, grad] flags)
+        self.sent: list[tuple[list[int], AsyncRead]] = []  # on their way to the host
+        self.dropping: torch.Tensor | None = None  # ``stop``: 1.0 once a bad step was seen
 
-    def before_optimizer_step(self, trainer: Trainer, loss: torch.Tensor) -> bool:
+    def before_optimizer_step(self, trainer: Trainer, loss: torch.Tensor) -> bool | torch.Tensor:
         device = trainer.device
         grads = [] if trainer.scaler else [p.grad for p in trainer.model.parameters()]
-        if trainer.step_norm_checks:  # every rank's loss rode on the norm's all-reduce
-            if torch.isfinite(trainer.last_grad_norm).item():
-                return False
-        elif not _on_any_rank(_nonfinite([loss, *grads], device))[0]:
-            return False
-        # The rare bad step: which was it (one more all-reduce, now that the step is lost anyway)?
-        bad = _on_any_rank(torch.stack([_nonfinite([loss], device), _nonfinite(grads, device)]))
-        what = " and ".join(w for w, b in zip(("loss", "gradient"), bad, strict=True) if b)
+        if trainer.step_loss_verdict is not None:  # every rank's loss rode on the norm's all-reduce
+            verdict = trainer.step_loss_verdict.float()
+            grad_flag = (~torch.isfinite(trainer.last_grad_norm)).float().to(verdict.device)
+            flags = torch.stack([verdict, grad_flag])
+        else:
+            flags = torch.stack([_nonfinite([loss], device), _nonfinite(grads, device)])
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         step = trainer.state.step + 1
-        if self.policy == "stop":
-            raise TrainingFailed(
-                f"non-finite {what} at step {step}: training stopped before its update "
-                f"(--on-nan stop); no checkpoint holds it, --resume auto takes the newest"
-            )
-        if self.runtime.is_main:  # every rank skips; one line says so
-            log.warning(
-                f"fsdp2lab: non-finite {what} at step {step}: update skipped (--on-nan skip)"
-            )
-        return True
+        if trainer.scaler is not None or not skips_on_device(trainer.optimizer):
+            return self._verdict([step], [flags.tolist()])  # read now: one sync a step
+        self.unsent.append((step, flags))
+        bad = flags.amax()
+        if self.policy == "stop":  # every update from the first bad step on is dropped
+            bad = bad if self.dropping is None else torch.maximum(bad, self.dropping)
+            self.dropping = bad
+        return bad
+
+    def after_step(self, trainer: Trainer) -> None:
+        if trainer.logs_step(trainer.state.step) or len(self.unsent) >= self.SEND_EVERY:
+            self._send()
+        while self.sent and self.sent[0][1].ready():
+            self._read_first()
+
+    def settle(self, trainer: Trainer) -> None:
+        self._send()
+        while self.sent:
+            self._read_first()
+
+    def _send(self) -> None:
+        if self.unsent:
+            steps = [step for step, _ in self.unsent]
+            self.sent.append((steps, AsyncRead(torch.stack([f for _, f in self.unsent]))))
+            self.unsent = []
+
+    def _read_first(self) -> None:
+        steps, read = self.sent.pop(0)
+        self._verdict(steps, read.values())
+
+    def _verdict(self, steps: list[int], flags: list[list[float]]) -> bool:
+        """Raise (``stop``) or log (``skip``) for the first or each bad step of ``steps``, whose
+        [loss, gradient] flags are ``flags``; whether one was bad."""
+        any_bad = False
+        for step, (loss_bad, grad_bad) in zip(steps, flags, strict=True):
+            if not (loss_bad or grad_bad):
+                continue
+            any_bad = True
+            what = " and ".join(w for w, b in (("loss", loss_bad), ("gradient", grad_bad)) if b)
+            if self.policy == "stop":
+                raise TrainingFailed(
+                    f"non-finite {what} at step {step}: training stopped before its update "
+                    f"(--on-nan stop); no checkpoint holds it, --resume auto takes the newest"
+                )
+            if self.runtime.is_main:  # every rank skips; one line says so
+                log.warning(
+                    f"fsdp2lab: non-finite {what} at step {step}: update skipped (--on-nan skip)"
+                )
+        return any_bad

@@ -21,6 +21,25 @@ def build_optimizer(params, cfg: TrainConfig, local_step: bool = True) -> torch.
     return optimizer
 
 
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` can drop its update by a flag on the device, with no host read:
+    torch's fused implementations read ``found_inf`` (as a GradScaler sets it) in their kernel."""
+    return bool(optimizer.defaults.get("fused"))
+
+
+def step(optimizer: torch.optim.Optimizer, dropped: torch.Tensor | None = None) -> None:
+    """``optimizer.step()``; where ``dropped`` (a 0-dim 1.0/0.0 tensor) is 1.0 the update, the
+    optimizer's own step count included, is dropped on the device (``skips_on_device``)."""
+    if dropped is None:
+        optimizer.step()
+        return
+    optimizer.found_inf = dropped.float()
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
+
+
 def _optimizer(params: list, cfg: TrainConfig) -> torch.optim.Optimizer:
     lr = cfg.lr
     wd = cfg.weight_decay

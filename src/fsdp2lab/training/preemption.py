@@ -26,6 +26,7 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -87,7 +88,9 @@ class Preemption(Hooks):
         # The flag travels on a CPU group of its own: no GPU synchronisation, and the background
         # all-reduce never queues behind (or ahead of) the training's collectives.
         self.group = dist.new_group(backend="gloo") if runtime.world_size > 1 else None
-        self.pending: tuple[dist.Work, torch.Tensor] | None = None  # the background all-reduce
+        # The background all-reduce and its host flag: a tensor over a NumPy array, read as the
+        # array (no tensor op, and never on a GPU: the group is gloo's).
+        self.pending: tuple[dist.Work, np.ndarray] | None = None
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
                 signal.signal(sig, self._on_signal)
@@ -116,15 +119,17 @@ class Preemption(Hooks):
         if self.pending is not None:
             work, flag = self.pending
             work.wait()
-            signum = int(flag.item())
+            signum = int(flag[0])
             self.pending = None
         if signum:
             return signum
-        flag = torch.tensor([self.received], dtype=torch.int64)
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        flag = np.array([self.received], dtype=np.int64)
+        work = dist.all_reduce(
+            torch.from_numpy(flag), op=dist.ReduceOp.MAX, group=self.group, async_op=True
+        )
         if wait:
             work.wait()
-            return int(flag.item())
+            return int(flag[0])
         self.pending = (work, flag)
         return 0
 

@@ -22,7 +22,7 @@ def wanted(setting: str, is_main: bool) -> bool:
 class ProgressBar(Hooks):
     """One bar per epoch; it ends with the epoch's last step, before the epoch's log lines."""
 
-    REFRESH_S = 0.5  # how often the loss is read (a device sync on GPUs)
+    REFRESH_S = 0.5  # how often the bar's text changes
 
     def __init__(self) -> None:
         self.bar: tqdm | None = None
@@ -56,7 +56,9 @@ class ProgressBar(Hooks):
                 if trainer.plan.spec.task == "lm"
                 else ("samples/s", rate)
             )
-            bar.set_postfix_str(f"loss={float(trainer.last_loss):.4f}, {unit}={rate:,.0f}")
+            loss = trainer.last_step_record.get("loss")  # the last step record's: no device read
+            shown = f"loss={loss:.4f}, " if loss is not None else ""
+            bar.set_postfix_str(f"{shown}{unit}={rate:,.0f}")
         if bar.n >= bar.total:
             self._close()
 

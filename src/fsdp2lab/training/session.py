@@ -47,6 +47,22 @@ def observers(cfg: TrainConfig, runtime: Runtime) -> list[Hooks]:
     return hooks
 
 
+def build_hooks(
+    cfg: TrainConfig,
+    runtime: Runtime,
+    watchdog: Watchdog | None = None,
+    checkpoints: CheckpointManager | None = None,
+    preemption: Preemption | None = None,
+) -> list[Hooks]:
+    """A run's hooks in their order: the NaN guard, the watchdog, checkpoints, fault drills, then
+    the observers (they see the resumed state), preemption last."""
+    hooks: list[Hooks] = [NanGuard(runtime, cfg.on_nan)]
+    hooks += [hook for hook in (watchdog, checkpoints) if hook is not None]
+    if fault_drills.wanted():  # tests/test_faults.py: faults injected on purpose
+        hooks.append(fault_drills.FaultDrills(runtime.rank))
+    return [*hooks, *observers(cfg, runtime), *([preemption] if preemption else [])]
+
+
 def run_training(plan: RunPlan | TrainConfig, runtime: Runtime) -> dict:
     if isinstance(plan, TrainConfig):
         plan = resolve_here(plan, runtime.world_size)
@@ -62,11 +78,9 @@ def _train(plan: RunPlan, runtime: Runtime, watchdog: Watchdog) -> dict:
     cfg = plan.cfg
     checkpoints = CheckpointManager.from_config(cfg, runtime)  # None without checkpointing
     preemption = Preemption(runtime, checkpoints)  # USR1/TERM: checkpoint, requeue, stop
-    hooks = [NanGuard(runtime, cfg.on_nan), watchdog, *([checkpoints] if checkpoints else [])]
-    if fault_drills.wanted():  # tests/test_faults.py: faults injected on purpose
-        hooks.append(fault_drills.FaultDrills(runtime.rank))
-    # Observers after the checkpoint hook (they see the resumed state), preemption last.
-    trainer = Trainer(plan, runtime, hooks=[*hooks, *observers(cfg, runtime), preemption])
+    trainer = Trainer(
+        plan, runtime, hooks=build_hooks(cfg, runtime, watchdog, checkpoints, preemption)
+    )
     try:
         summary = trainer.fit()
     except TrainingFailed:

@@ -52,10 +52,8 @@ class TensorBoardWriter(Hooks):
         self.writer.add_text("config", "```toml\n" + trainer.cfg.to_toml() + "\n```", step)
         log.info(f"fsdp2lab: TensorBoard logs in {self.log_dir}")
 
-    def after_step(self, trainer: Trainer) -> None:
-        record = trainer.last_step_record
-        if record.get("step") == trainer.state.step:
-            self._write(record, "train")
+    def after_step_record(self, trainer: Trainer, record: dict) -> None:
+        self._write(record, "train")
 
     def after_epoch(self, trainer: Trainer) -> None:
         self._write(trainer.last_epoch_record, "epoch")

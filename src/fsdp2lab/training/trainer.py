@@ -29,7 +29,9 @@ from fsdp2lab.training import metrics as m
 from fsdp2lab.training.hooks import Hooks, StopTraining, TrainState
 from fsdp2lab.training.loss import model_loss
 from fsdp2lab.training.optim import build_optimizer, build_scheduler
+from fsdp2lab.training.optim import step as optimizer_step
 from fsdp2lab.training.profiler import DATA_RANGE
+from fsdp2lab.training.step_records import StepRecords
 
 log = logs.get_logger(__name__)
 
@@ -81,9 +83,9 @@ class Trainer:
         )
         self.state = TrainState()
         self.metrics = m.MetricsWriter(cfg.metrics_file, runtime.is_main)
-        # What observers read (TensorBoard, the progress bar): this rank's last step loss and
-        # the last step and epoch records as written to the metrics file.
-        self.last_loss: torch.Tensor | None = None
+        self.records = StepRecords(self.device, runtime.world_size)  # written when values land
+        # What observers read (TensorBoard, the progress bar): the last step and epoch records
+        # as written to the metrics file.
         self.last_step_record: dict = {}
         self.last_epoch_record: dict = {}
         self.throughput = m.Throughput(cfg.seq_len if self.plan.spec.task == "lm" else None)
@@ -93,7 +95,7 @@ class Trainer:
         self.last_eval: dict = {}
         self.train_time_s = 0.0
         self.last_grad_norm: torch.Tensor | None = None  # read on logged steps only
-        self.step_norm_checks = False  # set by train_step: see there
+        self.step_loss_verdict: torch.Tensor | None = None  # set by train_step: see there
         self.stop_reason: str | None = None  # set by request_stop: end after this step
         self.fit_started = time.perf_counter()
 
@@ -141,11 +143,13 @@ class Trainer:
         with torch.profiler.record_function(DATA_RANGE):
             return self._to_device(next(batches))
 
-    def _all_reduce_sum(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+    def _all_reduce_sum(self, values: list[float] | torch.Tensor) -> list[float]:
+        """Sums over the ranks, read on the host (a device sync)."""
+        if not isinstance(values, torch.Tensor):
+            values = torch.tensor(values, dtype=torch.float64, device=self.device)
         if dist.is_initialized() and self.runtime.world_size > 1:
-            dist.all_reduce(t)
-        return t.tolist()
+            dist.all_reduce(values)
+        return values.tolist()
 
     @property
     def replicas_per_dp_rank(self) -> int:
@@ -153,9 +157,9 @@ class Trainer:
         return self.runtime.world_size // self.plan.dims.dp
 
     # ------------------------------------------------------------------ training
-    def train_step(self, batches) -> tuple[torch.Tensor, int]:
-        """One optimizer step over K micro-batches; returns (this rank's mean loss, its samples),
-        0 samples when a hook dropped the update."""
+    def train_step(self, batches) -> tuple[torch.Tensor, int | torch.Tensor]:
+        """One optimizer step over K micro-batches; returns (this rank's mean loss, its samples):
+        0 when a hook dropped the update, a 0-dim tensor on the device where the device decides."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         k = self.cfg.grad_accum_steps
@@ -180,27 +184,30 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         log_step = self.logs_step(self.state.step + 1)
-        self.step_norm_checks = False  # whether this step's norm also says the loss was finite
+        self.step_loss_verdict = None  # whether the loss was finite on every rank, as the norm says
         if self.cfg.max_grad_norm is not None or log_step:
             # The loss rides on the norm's all-reduce (where it has one over every rank), so the
             # NaN guard needs no collective of its own; not under fp16, whose scaler owns infs.
             flag = loss_sum if self.scaler is None else None
-            self.last_grad_norm, self.step_norm_checks = self.plan.strategy.clip_grad_norm(
+            self.last_grad_norm, self.step_loss_verdict = self.plan.strategy.clip_grad_norm(
                 self.model, self.cfg.max_grad_norm, flag
             )
-        if any([hook.before_optimizer_step(self, loss_sum) for hook in self.hooks]):
+        drops = [hook.before_optimizer_step(self, loss_sum) for hook in self.hooks]
+        if any(drop is True for drop in drops):
             self.optimizer.zero_grad(set_to_none=True)  # the update is dropped
             if self.scaler is not None:  # its inf check ran: it backs off as after an overflow
                 self.scaler.update()
             return loss_sum, 0
+        on_device = [drop for drop in drops if isinstance(drop, torch.Tensor)]
+        dropped = torch.stack(on_device).amax() if on_device else None  # 1.0: dropped there
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
-            self.optimizer.step()
+            optimizer_step(self.optimizer, dropped)
         if self.scheduler_unit == "step":
             self.scheduler.step()
-        return loss_sum, samples
+        return loss_sum, samples if dropped is None else samples * (1 - dropped)
 
     def fit(self) -> dict:
         cfg = self.cfg
@@ -261,25 +268,26 @@ class Trainer:
         steps_left = self.sampler.steps_per_epoch - st.epoch_samples // self.plan.global_batch
         t0 = time.perf_counter()
         self.throughput.mark(st.samples_seen)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        sample_count = 0
+        # This rank's summed loss and samples over the steps whose update ran (on the device).
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         for _ in range(steps_left):
             if self.done():
                 break
             loss, samples = self.train_step(batches)
-            self.last_loss = loss
-            if samples:
-                loss_sum += loss.double() * samples
-            sample_count += samples
+            kept = torch.as_tensor(samples, dtype=torch.float64, device=self.device)
+            step_totals = torch.stack([loss.double() * kept, kept])
+            totals += torch.where(kept > 0, step_totals, 0.0)  # a dropped step's NaN stays out
             st.step += 1
             st.samples_seen += self.plan.global_batch
             st.epoch_samples += self.plan.global_batch
             if self.logs_step(st.step):
                 self._log_step(loss)
-            for hook in self.hooks:
+            for hook in self.hooks:  # the NaN guard first: a bad step raises before its record
                 hook.after_step(self)
+            self.records.poll()
+        self.settle()
         epoch_time = time.perf_counter() - t0
-        total_loss, total_count = self._all_reduce_sum([float(loss_sum), float(sample_count)])
+        total_loss, total_count = self._all_reduce_sum(totals)
         train_loss = total_loss / max(total_count, 1)
         log.info(f"Train Epoch: {st.epoch} \tLoss: {train_loss:.6f}")
         # Evaluated at this very step already: a periodic evaluation that reached --target-accuracy.
@@ -306,24 +314,38 @@ class Trainer:
         for hook in self.hooks:
             hook.after_epoch(self)
 
+    def settle(self) -> None:
+        """Bring the host up to date with the device: pending step records and what hooks left
+        on the device (the NaN guard's verdicts). Waits for the device."""
+        self.records.flush()
+        for hook in self.hooks:
+            hook.settle(self)
+
     def _log_step(self, loss: torch.Tensor) -> None:
         """The step record: mean loss, grad norm, lr, throughput since the last one, and every
-        rank's memory (gathered with the losses, in one collective)."""
-        mine = {"loss": float(loss), **self.memory.measure(self.model, self.optimizer)}
-        memory = m.per_rank(mine, self.runtime.world_size, self.device)
-        mean_loss = sum(memory.pop("loss")) / self.runtime.world_size
-        self.last_step_record = self.metrics.write(
-            "step",
-            step=self.state.step,
-            epoch=self.state.epoch,
-            loss=mean_loss,
-            grad_norm=None if self.last_grad_norm is None else float(self.last_grad_norm),
-            lr=self.optimizer.param_groups[0]["lr"],
+        rank's memory (gathered with the losses, in one collective), written when the device's
+        values reach the host (``step_records``)."""
+        head = {"step": self.state.step, "epoch": self.state.epoch}
+        tail = {
+            "lr": self.optimizer.param_groups[0]["lr"],
             **({"loss_scale": self.scaler.get_scale()} if self.scaler is not None else {}),
-            samples_seen=self.state.samples_seen,
+            "samples_seen": self.state.samples_seen,
             **self.throughput.since_mark(self.state.samples_seen),
-            **memory,
-        )
+        }
+        on_device = {"loss": loss}
+        if self.last_grad_norm is not None:
+            on_device["grad_norm"] = self.last_grad_norm
+
+        def write(columns: dict[str, list]) -> None:
+            mean_loss = sum(columns.pop("loss")) / self.runtime.world_size
+            grad_norm = columns.pop("grad_norm", [None])[0]  # the same on every rank
+            self.last_step_record = self.metrics.write(
+                "step", **head, loss=mean_loss, grad_norm=grad_norm, **tail, **columns
+            )
+            for hook in self.hooks:
+                hook.after_step_record(self, self.last_step_record)
+
+        self.records.submit(on_device, self.memory.measure(self.model, self.optimizer), write)
 
     # ------------------------------------------------------------------ evaluation
     def run_eval(self, epoch_end: bool = False) -> dict:
