@@ -93,11 +93,11 @@ def test_nan_guard_reads_each_device_in_its_own_call(monkeypatch):
 
     monkeypatch.setattr(torch, "_foreach_norm", one_device)
     host = [torch.tensor([1.0, float("inf")]), torch.ones(2)]
-    flag = nan_guard._nonfinite([torch.ones((), device=META), *host], META)
+    flag = nan_guard._nonfinite([[torch.ones((), device=META), *host]], META)
     assert calls == [{META}, {torch.device("cpu")}] and flag.device == META
     calls.clear()
-    assert nan_guard._nonfinite(host, torch.device("cpu")).item() == 1.0
-    assert nan_guard._nonfinite(host[1:], torch.device("cpu")).item() == 0.0
+    assert nan_guard._nonfinite([host], torch.device("cpu")).item() == 1.0
+    assert nan_guard._nonfinite([host[1:]], torch.device("cpu")).item() == 0.0
 
 
 FP16_OFFLOAD = "--cpu-offload with --mixed-precision fp16 on CUDA"

@@ -195,14 +195,17 @@ def test_the_nan_guard_finds_every_non_finite_value_anywhere(dtype):
 
     cpu = torch.device("cpu")
     finite = [torch.randn(7, 5).to(dtype), torch.randn(()).to(dtype), torch.empty(0), None]
-    assert float(_nonfinite(finite, cpu)) == 0.0
-    assert float(_nonfinite([], cpu)) == 0.0
+    assert _nonfinite([finite], cpu).tolist() == [0.0]
+    assert _nonfinite([[], []], cpu).tolist() == [0.0, 0.0]
     for value in (float("nan"), float("inf"), float("-inf")):
         for place in (0, 17, 34):
             bad = torch.randn(35).to(dtype)
             bad[place] = value
-            assert float(_nonfinite([*finite, bad], cpu)) == 1.0, (value, place)
-        assert float(_nonfinite([torch.tensor(value, dtype=dtype)], cpu)) == 1.0
+            assert _nonfinite([[*finite, bad]], cpu).tolist() == [1.0], (value, place)
+            # Each group has its own flag: the bad tensor's, and no other.
+            assert _nonfinite([finite, [bad], []], cpu).tolist() == [0.0, 1.0, 0.0]
+            assert _nonfinite([[bad], finite], cpu).tolist() == [1.0, 0.0]
+        assert _nonfinite([[torch.tensor(value, dtype=dtype)]], cpu).tolist() == [1.0]
 
 
 def test_the_loss_rides_on_the_gradient_norms_all_reduce_under_plain_fsdp(one_rank, monkeypatch):

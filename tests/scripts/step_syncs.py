@@ -39,6 +39,11 @@ class CountReads(TorchDispatchMode):
         self.count = 0
         self.paused = False
 
+    def take(self) -> int:
+        """The count so far, which starts again from 0."""
+        count, self.count = self.count, 0
+        return count
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func._schema.name
@@ -55,10 +60,11 @@ class CountReads(TorchDispatchMode):
 
 
 class PerStep(Hooks):
-    """Each step's count, from the start of its ``train_step`` to the start of the next (its
-    hooks and the records written after it included); the last step's to its hooks' end."""
+    """Each step's tally (``counter.take()``), from the start of its ``train_step`` to the start
+    of the next (its hooks and the records written after it included); the last step's to its
+    hooks' end, where counting pauses."""
 
-    def __init__(self, counter: CountReads, trainer: Trainer):
+    def __init__(self, counter, trainer: Trainer):
         self.counter, self.steps, self.logged = counter, {}, []
         step_alone = trainer.train_step
 
@@ -75,9 +81,9 @@ class PerStep(Hooks):
         self.current: int | None = None
 
     def _close(self) -> None:
+        tally = self.counter.take()
         if self.current is not None:
-            self.steps[self.current] = self.counter.count
-        self.counter.count = 0
+            self.steps[self.current] = tally
 
     def after_step(self, trainer: Trainer) -> None:
         if trainer.logs_step(trainer.state.step):

@@ -20,6 +20,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from fsdp2lab.runtime.torch_compat import local_tensor
+
 
 def collective_device(over: DeviceMesh | dist.ProcessGroup | None) -> torch.device:
     """The device of the tensors a collective over ``over`` reduces: a mesh's device type; for a
@@ -57,7 +59,7 @@ def _sharded_norm(
         return None
     if not all(isinstance(g.placements[0], Shard) for g in grads):
         return None
-    local = torch.nn.utils.get_total_norm([g.to_local() for g in grads], norm_type=2.0)
+    local = torch.nn.utils.get_total_norm([local_tensor(g) for g in grads], norm_type=2.0)
     device = collective_device(mesh)
     values = local.float().reshape(1).to(device) ** 2
     if flag is not None:

@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp2lab.parallel.strategies import label
+from fsdp2lab.runtime.torch_compat import local_tensor
 
 if TYPE_CHECKING:
     from fsdp2lab.training.trainer import Trainer
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 
 def _local_bytes(t: torch.Tensor) -> int:
     if isinstance(t, DTensor):
-        t = t.to_local()
+        t = local_tensor(t)
     return t.numel() * t.element_size()
 
 

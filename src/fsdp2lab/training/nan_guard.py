@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from fsdp2lab.errors import TrainingFailed
 from fsdp2lab.runtime import logs
 from fsdp2lab.runtime.distributed import Runtime
+from fsdp2lab.runtime.torch_compat import local_tensor
 from fsdp2lab.training.device_reads import AsyncRead
 from fsdp2lab.training.hooks import Hooks
 from fsdp2lab.training.optim import skips_on_device
@@ -44,24 +45,33 @@ if TYPE_CHECKING:
 log = logs.get_logger(__name__)
 
 
-def _nonfinite(tensors, device: torch.device) -> torch.Tensor:
-    """1.0 if this rank's part of any tensor (None: skipped) is not finite, else 0.0 (no sync).
+@torch.no_grad()
+def _nonfinite(groups: list[list], device: torch.device) -> torch.Tensor:
+    """Per group of tensors (None: skipped), 1.0 if this rank's part of any is not finite, else
+    0.0: a tensor of one value per group on ``device`` (no sync).
 
     The largest magnitude of each tensor (``_foreach_norm``, ord inf) is finite exactly when all
     its elements are: one fused read of every tensor, no mask its size, no overflow of a sum. One
-    call per device (``--cpu-offload`` keeps gradients on the host, the loss on the GPU); the flag
-    is on ``device``, which the all-reduce reduces.
+    call per group and device (``--cpu-offload`` keeps gradients on the host, the loss on the
+    GPU); the flags are on ``device``, which the all-reduce reduces.
     """
-    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors if t is not None]
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for t in local:
-        if t.numel() > 0:
-            by_device.setdefault(t.device, []).append(t.detach())
-    if not by_device:
-        return torch.zeros((), device=device)
-    peaks = [p for group in by_device.values() for p in torch._foreach_norm(group, float("inf"))]
-    peaks = torch.stack([p.to(device=device, dtype=torch.float32) for p in peaks])
-    return (~torch.isfinite(peaks)).any().float()
+    peaks: list[torch.Tensor] = []
+    bounds = []
+    for group in groups:
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for t in group:
+            local = local_tensor(t) if isinstance(t, DTensor) else t
+            if local is not None and local.numel() > 0:
+                by_device.setdefault(local.device, []).append(local)
+        start = len(peaks)
+        for tensors in by_device.values():
+            peaks += torch._foreach_norm(tensors, float("inf"))
+        bounds.append((start, len(peaks)))
+    if not peaks:
+        return torch.zeros(len(groups), device=device)
+    bad = ~torch.isfinite(torch.stack([p.to(device=device, dtype=torch.float32) for p in peaks]))
+    none = torch.zeros((), dtype=torch.bool, device=device)
+    return torch.stack([bad[s:e].any() if e > s else none for s, e in bounds]).float()
 
 
 def _on_any_rank(flags: torch.Tensor) -> list[bool]:
@@ -74,7 +84,7 @@ def _on_any_rank(flags: torch.Tensor) -> list[bool]:
 
 def all_finite(tensors, device: torch.device) -> bool:
     """Whether every tensor on every rank is finite (a collective)."""
-    return not _on_any_rank(_nonfinite(tensors, device))[0]
+    return not _on_any_rank(_nonfinite([list(tensors)], device))[0]
 
 
 class NanGuard(Hooks):
@@ -95,7 +105,7 @@ class NanGuard(Hooks):
             grad_flag = (~torch.isfinite(trainer.last_grad_norm)).float().to(verdict.device)
             flags = torch.stack([verdict, grad_flag])
         else:
-            flags = torch.stack([_nonfinite([loss], device), _nonfinite(grads, device)])
+            flags = _nonfinite([[loss], grads], device)
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         step = trainer.state.step + 1

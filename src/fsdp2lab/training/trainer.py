@@ -135,6 +135,11 @@ class Trainer:
         """The plan's loss (yours), else cross-entropy over chunks of tokens (``loss.py``)."""
         return model_loss(output, target, self.plan.loss, reduction)
 
+    @staticmethod
+    def _mean(loss: torch.Tensor, k: int) -> torch.Tensor:
+        """A micro-batch's share of the step's mean loss (``loss`` itself for one micro-batch)."""
+        return loss if k == 1 else loss / k
+
     def _to_device(self, batch):
         x, y = batch
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
@@ -163,23 +168,26 @@ class Trainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         k = self.cfg.grad_accum_steps
-        loss_sum = torch.zeros((), device=self.device)
+        loss_sum = None
         samples = 0
         for micro in range(k):
             x, y = self._next_batch(batches)
             if self.pipeline is not None:
                 # The schedule runs forward and backward over pipeline micro-batches.
                 loss = self.pipeline.train_step(
-                    x, y, lambda out, target: self._loss(out, target) / k, finalize=micro == k - 1
+                    x,
+                    y,
+                    lambda out, target: self._mean(self._loss(out, target), k),
+                    finalize=micro == k - 1,
                 )
             else:
                 with self.plan.strategy.sync_context(self.model, micro == k - 1), self._autocast():
-                    loss = self._loss(self.model(x), y) / k
+                    loss = self._mean(self._loss(self.model(x), y), k)
                     if self.scaler is not None:
                         self.scaler.scale(loss).backward()
                     else:
                         loss.backward()
-            loss_sum += loss.detach()
+            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
             samples += len(x)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
