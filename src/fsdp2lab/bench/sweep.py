@@ -37,7 +37,9 @@ variants (named sets of train keys, e.g. FSDP2 with another unit policy)::
 Built-in strategies: single, ddp, fsdp1, fsdp2, hsdp (fsdp2 with ``dp_replicate = 2``) and
 compute-only (``single`` side by side: on N ranks, N independent one-rank runs of 1/N of the
 global batch each at the same time, no communication: the ceiling data parallelism aims at).
-Combinations that cannot run (single on 2 ranks, hsdp on 1) are left out and listed.
+Combinations that cannot run (single on 2 ranks, hsdp on 1) are left out and listed. A file that
+names code (``loss = "file.py:fn"``, a ``[models.X]`` ``model = "file.py:build"``) is refused
+unless ``fsdp2lab bench --allow-code``.
 """
 
 from __future__ import annotations
