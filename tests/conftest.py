@@ -22,9 +22,9 @@ FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 
 # Under CI=true a skip is a failure: a stage must not pass while doing nothing because a system
 # part (Slurm, Fashion-MNIST, transformers in the hf stage, root for a tmpfs) is missing. Only the
-# reasons of tests/skips.py are allowed (no GPU, fewer GPUs than needed, the other torch version's
-# branch, an extra's package in a run outside its stage), whatever the test's markers. `-ra`
-# (pyproject.toml) prints every skip's reason in every stage.
+# reasons of tests/skips.py are allowed (no GPU where there is none, fewer GPUs than needed, a
+# compat test's branch for another torch version, an extra's package in a test or module of that
+# extra's stage in a run outside it). `-ra` (pyproject.toml) prints every skip's reason.
 CI = os.environ.get("CI", "").lower() in ("true", "1")
 
 
@@ -51,12 +51,29 @@ def pytest_runtest_makereport(item, call):
     report = (yield).get_result()
     if CI and report.skipped and not hasattr(report, "wasxfail"):
         reason = _skip_reason(report)
-
-        def in_stage(marker: str) -> bool:  # the run selects that stage, or the test is not its
-            return _stage_runs(item.config, marker) or item.get_closest_marker(marker) is None
-
-        if not skips.allowed(reason, in_stage):
+        marks = {mark.name for mark in item.iter_markers()}
+        if not skips.allowed(reason, lambda m: _stage_runs(item.config, m), marks):
             _fail_skip(report, reason)
+
+
+def module_marks(path: Path) -> set[str]:
+    """The markers a test module's own ``pytestmark`` names (read from its source: a module that
+    skips while it is imported has no module object to ask)."""
+    import ast
+
+    try:
+        tree = ast.parse(path.read_text())
+    except (OSError, SyntaxError, ValueError):
+        return set()
+    marks = set()
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        named = any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in targets)
+        if named and getattr(node, "value", None) is not None:
+            for sub in ast.walk(node.value):
+                if isinstance(sub, ast.Attribute) and ast.unparse(sub.value) == "pytest.mark":
+                    marks.add(sub.attr)
+    return marks
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -64,7 +81,8 @@ def pytest_make_collect_report(collector):
     report = (yield).get_result()
     if CI and report.skipped:
         reason = _skip_reason(report)
-        if not skips.allowed(reason, lambda marker: _stage_runs(collector.config, marker)):
+        marks = module_marks(collector.path) if isinstance(collector, pytest.Module) else set()
+        if not skips.allowed(reason, lambda m: _stage_runs(collector.config, m), marks):
             _fail_skip(report, reason)
 
 

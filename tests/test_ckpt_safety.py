@@ -7,8 +7,10 @@ appear, and every refusal is one line with exit code 2.
 
 from __future__ import annotations
 
+import ast
 import os
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,7 @@ from fsdp2lab.checkpoint import safetensors_export as st_export
 from fsdp2lab.checkpoint import state as ckpt_state
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.errors import UsageError
-from fsdp2lab.runtime.torch_compat import SafeFileSystemReader, SafeLoadPlanner
+from fsdp2lab.runtime.torch_compat import RefusedPickle, SafeFileSystemReader, SafeLoadPlanner
 from fsdp2lab.training.checkpointing import CheckpointManager, choose_resume
 from fsdp2lab.training.trainer import Trainer
 
@@ -305,11 +307,116 @@ def test_companion_files_come_only_from_the_recorded_folder_unchanged(tmp_path: 
         st_export.companion_sources(run)
 
 
+# The one vetted unpickler (runtime/torch_compat.py): these lines, and no other, name one.
+_VETTED = {
+    "runtime/torch_compat.py: class _MetadataUnpickler(pickle.Unpickler):",
+    "runtime/torch_compat.py: return _MetadataUnpickler(stream).load()",
+}
+_UNPICKLES = re.compile(
+    r"pickle\.loads?\(|weights_only\s*=\s*False|(?<![\w])FileSystemReader\(|Unpickler|allow_pickle"
+)
+_DCP_LOADS = {"dcp.load", "dcp.load_state_dict", "torch.distributed.checkpoint.load"}
+
+
+def _unsafe_lines(file: Path, src: Path) -> list[str]:
+    """Lines of ``file`` that unpickle, or could, outside the restricted reader: ``pickle.load``,
+    ``weights_only=False``, a plain ``FileSystemReader(``, an ``Unpickler``, ``allow_pickle``, and
+    a ``dcp.load`` without ``planner=SafeLoadPlanner()`` and a reader that is not a plain one."""
+    text = file.read_text()
+    where = file.relative_to(src).as_posix()
+    hits = [
+        f"{where}: {line.strip()}"
+        for line in text.splitlines()
+        if _UNPICKLES.search(line) and f"{where}: {line.strip()}" not in _VETTED
+    ]
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in _DCP_LOADS:
+            keywords = {k.arg: ast.unparse(k.value) for k in node.keywords}
+            if keywords.get("planner") != "SafeLoadPlanner()" or "storage_reader" not in keywords:
+                hits.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+    return hits
+
+
 def test_nothing_outside_the_restricted_reader_unpickles():
-    src = Path(__file__).parents[1] / "src"
-    hits = []
-    for file in src.rglob("*.py"):
-        for n, line in enumerate(file.read_text().splitlines(), 1):
-            if "pickle.load(" in line or "pickle.loads(" in line or "weights_only=False" in line:
-                hits.append(f"{file.relative_to(src)}:{n}: {line.strip()}")
+    src = Path(__file__).parents[1] / "src" / "fsdp2lab"
+    hits = [hit for file in sorted(src.rglob("*.py")) for hit in _unsafe_lines(file, src)]
     assert hits == [], hits
+    vetted = (src / "runtime" / "torch_compat.py").read_text()
+    assert all(line.partition(": ")[2] in vetted for line in _VETTED)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "state = pickle.load(f)",
+        "x = pickle.loads(blob)",
+        "torch.load(path, weights_only=False)",
+        "reader = dcp.FileSystemReader(path)",
+        "reader = FileSystemReader(path)",
+        "class Mine(pickle.Unpickler): pass",
+        "u = pickle._Unpickler(f)",
+        "a = np.load(path, allow_pickle=True)",
+        "dcp.load(state, checkpoint_id=path)",
+        "dcp.load(state, storage_reader=SafeFileSystemReader(path))",
+        "dcp.load(state, planner=SafeLoadPlanner())",
+        "torch.distributed.checkpoint.load(state, storage_reader=r, planner=DefaultLoadPlanner())",
+        "dcp.load_state_dict(state, storage_reader=r)",
+    ],
+)
+def test_the_grep_catches_each_way_to_unpickle(tmp_path: Path, line: str):
+    (tmp_path / "mod.py").write_text(f"import pickle\n{line}\n")
+    assert _unsafe_lines(tmp_path / "mod.py", tmp_path) != []
+    safe = "dcp.load(state, storage_reader=SafeFileSystemReader(p), planner=SafeLoadPlanner())\n"
+    (tmp_path / "mod.py").write_text(safe)
+    assert _unsafe_lines(tmp_path / "mod.py", tmp_path) == []
+
+
+def _calling(module: str, name: str, *args) -> bytes:
+    """A pickle that calls ``module.name(*args)`` when it is loaded."""
+    return f"c{module}\n{name}\n".encode() + pickle.dumps(args, protocol=2)[2:-1] + b"R."
+
+
+def _traps(sentinel: Path) -> dict[str, tuple[bytes, str]]:
+    """Each trap: a ``.metadata`` that leaves ``sentinel`` if it is run, and the refusal."""
+    code = f"open({str(sentinel)!r}, 'w').close()"
+    touch = f"touch {sentinel}"
+    getattr_chain = (  # getattr(__import__("os"), "system")("touch SENTINEL")
+        b"cbuiltins\ngetattr\n(cbuiltins\n__import__\n(Vos\ntRVsystem\ntR(V"
+        + touch.encode()
+        + b"\ntR."
+    )
+    partial = (  # functools.partial(os.system, "touch SENTINEL")()
+        b"cfunctools\npartial\n(cos\nsystem\nV" + touch.encode() + b"\ntR)R."
+    )
+    trap_file = sentinel.parent / "trap.pt"
+    torch.save({"w": Trap(sentinel)}, trap_file)
+    return {
+        "exec": (_calling("builtins", "exec", code), "it names builtins.exec"),
+        "eval": (_calling("builtins", "eval", code), "it names builtins.eval"),
+        "getattr": (getattr_chain, "it names builtins.getattr"),
+        "functools.partial": (partial, "it names functools.partial"),
+        "subprocess.Popen": (
+            _calling("subprocess", "Popen", ["touch", str(sentinel)]),
+            "it names subprocess.Popen",
+        ),
+        "torch.load": (
+            _calling("torch", "load", str(trap_file), None, None, False),
+            "it names torch.load",
+        ),  # fmt: skip
+        "os.system": (_calling("os", "system", touch), "it names os.system"),
+        "not-metadata": (pickle.dumps({"state_dict_metadata": {}}), "it holds a dict"),
+    }
+
+
+@pytest.mark.parametrize(
+    "trap",
+    ["exec", "eval", "getattr", "functools.partial", "subprocess.Popen", "torch.load",
+     "os.system", "not-metadata"],
+)  # fmt: skip
+def test_each_metadata_trap_is_refused(tmp_path: Path, sentinel: Path, trap: str):
+    """A DCP ``.metadata`` naming code, or holding something other than DCP ``Metadata``."""
+    step = _save_plain(tmp_path / "step-2")
+    payload, why = _traps(sentinel)[trap]
+    (step / layout.METADATA).write_bytes(payload)
+    with pytest.raises(RefusedPickle, match=re.escape(why)):
+        SafeFileSystemReader(step).read_metadata()

@@ -267,7 +267,7 @@ def test_own_dataset_loss_and_toml_model_args(model_file, tmp_path):
     data.write_text(DATA_FILE)
     config = tmp_path / "run.toml"
     config.write_text(f'model = "{model_file}:build"\n[model_args]\nd = 32\nn_blocks = 2\n')
-    flags = ["--config", str(config), "--dataset", f"{data}:data", "--vocab-size", "64",
+    flags = ["--config", str(config), "--allow-code", "--dataset", f"{data}:data", "--vocab-size", "64",
              "--seq-len", "16", "--global-batch-size", "16", "--max-steps", "6", "--dropout", "0",
              "--log-every-steps", "1", "--progress", "off", "--nproc-per-node", "2"]  # fmt: skip
     runs = {}

@@ -323,6 +323,33 @@ RETIRED = {
     "shared-memory and ring collectives are gone: they could not work across hosts)",
 }
 _DEFAULT = "<default>"  # a flag given without its optional value
+# Keys whose value may name code (``module:attr``, ``file.py:attr``) that fsdp2lab imports and calls.
+CODE_KEYS = ("model", "dataset", "loss")
+# Prefixes of pretrained models and token files: they win over the ``module:attr`` form.
+PREFIXES = ("hf:", "tokens:")
+ALLOW_CODE_HELP = (
+    "run the code (module:NAME, file.py:NAME) that a config or sweep file names as model, "
+    "dataset or loss; without it such a file is refused (code typed on the command line runs)"
+)
+
+
+def is_reference(name: str) -> bool:
+    """``module:attr`` or ``file.py:attr`` (a built-in model name has no colon)."""
+    return ":" in name and not name.startswith(PREFIXES)
+
+
+def check_consent(values: Mapping[str, Any], where: str, allow_code: bool) -> None:
+    """Code a file names runs only with ``--allow-code``: else a UsageError naming the key and
+    ``where`` (the file), before anything is imported."""
+    if allow_code:
+        return
+    for key in CODE_KEYS:
+        value = values.get(key)
+        if isinstance(value, str) and is_reference(value):
+            raise UsageError(
+                f"{where}: {key} {value!r} names code, which runs only with --allow-code "
+                "(give it only for a file you trust as a script you run)"
+            )
 
 
 def _field_type(f: dataclasses.Field) -> type:
@@ -341,6 +368,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config", metavar="FILE.toml", help="TOML file of config keys (flags override it)"
     )
+    parser.add_argument("--allow-code", action="store_true", default=None, help=ALLOW_CODE_HELP)
     for name in RETIRED:  # accepted only to say why it is gone
         parser.add_argument("--" + name.replace("_", "-"), help=argparse.SUPPRESS)
     for name, f in _FIELDS.items():
@@ -404,7 +432,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             raise UsageError(f"--{name.replace('_', '-')} is no longer read: {RETIRED[name]}")
     values: dict[str, Any] = {}
     if getattr(args, "config", None):
-        values.update(load_toml(args.config))
+        from_file = load_toml(args.config)
+        used = {k: v for k, v in from_file.items() if getattr(args, k, None) is None}
+        check_consent(used, f"config file {args.config}", bool(getattr(args, "allow_code", None)))
+        values.update(from_file)
     for name in _FIELDS:
         value = getattr(args, name, None)
         if value is not None:

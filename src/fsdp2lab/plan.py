@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from fsdp2lab.config import TrainConfig
+from fsdp2lab.config import TrainConfig, is_reference
 from fsdp2lab.data import tokens
 from fsdp2lab.errors import UsageError
 from fsdp2lab.models import get_spec, lora
 from fsdp2lab.models.materialize import build_on_meta
 from fsdp2lab.models.spec import ModelSpec, logits_of
-from fsdp2lab.models.user import is_reference, load_object
+from fsdp2lab.models.user import load_object
 from fsdp2lab.parallel import model_parallel, pp, tp
 from fsdp2lab.parallel.compile import check_compile_support
 from fsdp2lab.parallel.strategies import Strategy, get_strategy

@@ -50,6 +50,7 @@ def command(
     srun_args: str = "",
     copy: int = 0,
     profile: bool = False,
+    allow_code: bool = False,
 ) -> list[str]:
     ranks = run.world_size // run.copies
     train = [
@@ -62,6 +63,7 @@ def command(
         "--metrics-file",
         str(folder / f"metrics{copy_suffix(copy)}.jsonl"),
         *(["--profile", str(folder / f"profile{copy_suffix(copy)}")] if profile else []),
+        *(["--allow-code"] if allow_code else []),
     ]
     if launcher == "srun":
         srun = ["srun", f"--ntasks={ranks}", "--kill-on-bad-exit=1"]
@@ -157,11 +159,12 @@ def run_sweep(
     resume: bool = False,
     threads_per_rank: int | None = None,
     profile: bool = False,
+    allow_code: bool = False,
 ) -> list[dict]:
     """Run every planned run in turn; print one line each; return their statuses."""
     previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        job = (out, launcher, timeout_s, srun_args, resume, threads_per_rank, profile)
+        job = (out, launcher, timeout_s, srun_args, resume, threads_per_rank, profile, allow_code)
         return _run_all(runs, job)
     finally:
         for s, handler in previous.items():
@@ -180,7 +183,18 @@ def _run_all(runs, job) -> list[dict]:
 
 
 def _one_run(
-    i, run, n, bar, out, launcher, timeout_s, srun_args, resume, threads_per_rank, profile
+    i,
+    run,
+    n,
+    bar,
+    out,
+    launcher,
+    timeout_s,
+    srun_args,
+    resume,
+    threads_per_rank,
+    profile,
+    allow_code,
 ) -> dict:
     from fsdp2lab.bench.results import read_metrics, step_time
 
@@ -200,7 +214,10 @@ def _one_run(
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
     (folder / "config.toml").write_text(to_toml(run.values), encoding="utf-8")
-    cmds = [command(run, folder, launcher, srun_args, copy, profile) for copy in range(run.copies)]
+    cmds = [
+        command(run, folder, launcher, srun_args, copy, profile, allow_code)
+        for copy in range(run.copies)
+    ]
     (folder / "command.txt").write_text("".join(shlex.join(c) + "\n" for c in cmds))
     t0 = time.monotonic()
     try:

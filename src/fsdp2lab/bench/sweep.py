@@ -37,7 +37,9 @@ variants (named sets of train keys, e.g. FSDP2 with another unit policy)::
 Built-in strategies: single, ddp, fsdp1, fsdp2, hsdp (fsdp2 with ``dp_replicate = 2``) and
 compute-only (``single`` side by side: on N ranks, N independent one-rank runs of 1/N of the
 global batch each at the same time, no communication: the ceiling data parallelism aims at).
-Combinations that cannot run (single on 2 ranks, hsdp on 1) are left out and listed.
+Combinations that cannot run (single on 2 ranks, hsdp on 1) are left out and listed. A file that
+names code (``loss = "file.py:fn"``, a ``[models.X]`` ``model = "file.py:build"``) is refused
+unless ``fsdp2lab bench --allow-code``.
 """
 
 from __future__ import annotations
@@ -49,7 +51,16 @@ from pathlib import Path
 from typing import Any
 
 from fsdp2lab import tomlio
-from fsdp2lab.config import PRECISIONS, TrainConfig, load_toml, read_toml_file, validate_basic
+from fsdp2lab.config import (
+    CODE_KEYS,
+    PRECISIONS,
+    TrainConfig,
+    check_consent,
+    is_reference,
+    load_toml,
+    read_toml_file,
+    validate_basic,
+)
 from fsdp2lab.errors import UsageError
 
 BUILTIN_VARIANTS: dict[str, dict[str, Any]] = {
@@ -147,8 +158,9 @@ def to_toml(values: dict[str, Any]) -> str:
         raise UsageError(str(e)) from None
 
 
-def load_sweep(path: str | None) -> Sweep:
-    """Read a sweep file (or the defaults when ``path`` is None); any mistake is a UsageError."""
+def load_sweep(path: str | None, allow_code: bool = False) -> Sweep:
+    """Read a sweep file (or the defaults when ``path`` is None); any mistake is a UsageError.
+    Code it names (``loss = "file.py:fn"``) is refused unless ``allow_code`` (``--allow-code``)."""
     sweep = Sweep()
     if path is None:
         return sweep
@@ -159,6 +171,7 @@ def load_sweep(path: str | None) -> Sweep:
             raise UsageError(
                 f"sweep file {path}: unknown table [{key}] (known: {', '.join(sorted(known))})"
             )
+    _check_consent(data, path, allow_code)
     axes = data.get("sweep", {})
     for key, value in axes.items():
         if key == "repeat":
@@ -194,6 +207,17 @@ def load_sweep(path: str | None) -> Sweep:
                 sweep.model_axes[name] = _model_axes(values, where)
                 sweep.model_keys[name] = check_train_keys(values, where)
     return sweep
+
+
+def _check_consent(data: dict[str, Any], path: str, allow_code: bool) -> None:
+    """Before anything is imported: code the file names needs ``allow_code``."""
+    tables = {"train": data.get("train")}
+    for section in ("models", "variants"):
+        if isinstance(data.get(section), dict):
+            tables.update({f"{section}.{n}": v for n, v in data[section].items()})
+    for name, values in tables.items():
+        if isinstance(values, dict):
+            check_consent(values, _where(path, name), allow_code)
 
 
 def _model_axes(values: dict[str, Any], where: str) -> dict[str, Any]:
@@ -239,7 +263,7 @@ def validate(sweep: Sweep) -> None:
             )
     for name, axes in sweep.model_axes.items():
         base = axes.get("model", name)
-        if base not in MODELS:
+        if base not in MODELS and not is_reference(base):
             raise UsageError(
                 f"bench: [models.{name}] is no model: set model = one of {', '.join(MODELS)}"
             )
@@ -258,14 +282,17 @@ def validate(sweep: Sweep) -> None:
 
 
 def _check_references(sweep: Sweep) -> None:
-    """Code a sweep file names (``loss``, ``dataset``) is the user's own, or the sweep stops."""
-    from fsdp2lab.models.user import is_reference, load_object
+    """Code a sweep names (``model``, ``loss``, ``dataset``) is the user's own, or the sweep
+    stops."""
+    from fsdp2lab.models.user import load_object
 
     tables = {"[train]": sweep.train}
-    tables.update({f"[models.{n}]": v for n, v in sweep.model_keys.items()})
+    tables.update(
+        {f"[models.{n}]": {**v, **sweep.model_axes.get(n, {})} for n, v in sweep.model_keys.items()}
+    )
     tables.update({f"[variants.{n}]": v for n, v in sweep.variants.items()})
     for table, values in tables.items():
-        for key in ("dataset", "loss"):
+        for key in CODE_KEYS:
             if isinstance(values.get(key), str) and is_reference(values[key]):
                 load_object(values[key], f"bench: {table} {key}")
 

@@ -75,8 +75,12 @@ def read_model_weights(ckpt: layout.Checkpoint) -> dict[str, torch.Tensor]:
         raise UsageError(f"checkpoint {ckpt.path} holds no model tensors")
     try:
         with _one_process():
-            reader, planner = SafeFileSystemReader(ckpt.path), SafeLoadPlanner()
-            dcp.load(template, storage_reader=reader, planner=planner, no_dist=True)
+            dcp.load(
+                template,
+                storage_reader=SafeFileSystemReader(ckpt.path),
+                planner=SafeLoadPlanner(),
+                no_dist=True,
+            )
     except (Exception, CheckpointException) as e:
         why = layout.read_error(e)
         raise UsageError(f"checkpoint {ckpt.path} could not be read: {why}") from None

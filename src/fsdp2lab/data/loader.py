@@ -9,13 +9,13 @@ from dataclasses import dataclass
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from fsdp2lab.config import TrainConfig
+from fsdp2lab.config import TrainConfig, is_reference
 from fsdp2lab.data import sources, synthetic, text, tokens, user
 from fsdp2lab.data.arrays import ArrayDataset, collate_batch
 from fsdp2lab.data.sampler import DistributedBatchSampler
 from fsdp2lab.errors import UsageError
 from fsdp2lab.models.spec import ModelSpec
-from fsdp2lab.models.user import is_reference, load_object
+from fsdp2lab.models.user import load_object
 
 DOWNLOAD_TIMEOUT_S = 30
 # torchdata's StatefulDataLoader calls a torch API that torch has since deprecated; not ours to fix.

@@ -7,10 +7,11 @@ here: ``--model file.py:NAME`` (:mod:`fsdp2lab.models.user`).
 
 from __future__ import annotations
 
+from fsdp2lab.config import is_reference
 from fsdp2lab.errors import UsageError
 from fsdp2lab.models import cifar_cnn, gpt, hf, mlp, mnist_cnn
 from fsdp2lab.models.spec import ModelSpec
-from fsdp2lab.models.user import is_reference, load_spec
+from fsdp2lab.models.user import load_spec
 
 MODELS: dict[str, ModelSpec] = {
     spec.name: spec

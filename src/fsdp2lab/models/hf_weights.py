@@ -24,7 +24,12 @@ from torch.distributed.tensor import DTensor
 
 from fsdp2lab.errors import UsageError
 from fsdp2lab.models.materialize import _lookup
-from fsdp2lab.runtime.torch_compat import hf_storage_reader, local_shape_and_offset, local_tensor
+from fsdp2lab.runtime.torch_compat import (
+    SafeLoadPlanner,
+    hf_storage_reader,
+    local_shape_and_offset,
+    local_tensor,
+)
 
 INDEX = "model.safetensors.index.json"
 
@@ -162,7 +167,7 @@ class WeightIndex:
         of another dtype is converted as it is copied in)."""
         import torch.distributed.checkpoint as dcp
 
-        dcp.load(dict(targets), storage_reader=reader(str(self.folder)))
+        dcp.load(dict(targets), storage_reader=reader(str(self.folder)), planner=SafeLoadPlanner())
 
 
 def _indexed_files(index: Path) -> list[str]:

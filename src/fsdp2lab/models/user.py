@@ -29,15 +29,6 @@ from fsdp2lab.models.spec import ModelSpec, infer_units
 ALL_DATASETS = ("mnist", "fashion-mnist", "cifar10", "synthetic", "text", "tokens")
 
 
-# Prefixes of pretrained models and token files: they win over the ``module:attr`` form.
-PREFIXES = ("hf:", "tokens:")
-
-
-def is_reference(name: str) -> bool:
-    """``module:attr`` or ``file.py:attr`` (a built-in model name has no colon)."""
-    return ":" in name and not name.startswith(PREFIXES)
-
-
 class RefusedReference(UsageError):
     """A reference to code that is not the user's own (``os:system``): never called."""
 
@@ -56,14 +47,25 @@ def _library_paths() -> list[Path]:
     return [Path(p).resolve() for p in paths if p]
 
 
+_PYTHON_TREE = re.compile(r"python3(\.\d+)?t?")
+
+
 def _library_of(path: str | Path) -> str | None:
     """What ``path`` belongs to when it is not the user's own code, else None."""
+    if str(path).startswith("<"):  # <frozen os>, <string>: no file of yours
+        return "no file of yours"
     path = Path(path).resolve()
     if any(part in ("site-packages", "dist-packages") for part in path.parts):
         return "an installed library"
     for root in _library_paths():
         if path.is_relative_to(root):
             return "fsdp2lab itself" if root.name == "fsdp2lab" else "Python's standard library"
+    parts = path.parts
+    if any(
+        parent.startswith("lib") and _PYTHON_TREE.fullmatch(part)
+        for parent, part in zip(parts, parts[1:], strict=False)
+    ):
+        return "a Python installation (a lib/python3.* tree)"
     return None
 
 
@@ -106,6 +108,9 @@ def _check_callable(obj, what: str, reference: str) -> None:
         raise _refuse(what, reference, f"{_name(obj)} is built into Python")
     if library := _library_of(file):
         raise _refuse(what, reference, f"{_name(obj)} is defined in {library} ({file})")
+    module = getattr(obj, "__module__", None) or type(obj).__module__
+    if isinstance(module, str) and module.partition(".")[0] in sys.stdlib_module_names:
+        raise _refuse(what, reference, f"{_name(obj)} is part of Python's standard library")
 
 
 def _name(obj) -> str:
