@@ -1,0 +1,73 @@
+"""A training step dispatches the plain loop's ops, plus a bounded number that FSDP2, the NaN
+guard and the step's bookkeeping need, each named by where it comes from (issue: GPU speed).
+
+``tests/scripts/step_ops.py`` counts, with a ``TorchDispatchMode``, the ops of one step of the
+real ``Trainer`` (FSDP2, one CPU rank, the hooks a run gets) and of the loop a user writes over
+the same model (forward, ``F.cross_entropy``, backward, fused AdamW), filed by the part of the
+step that issued them. On a GPU each op is at least one kernel launch: these counts are the
+launch overhead fsdp2lab adds, which 2 CPU cores cannot time. docs/speed.md shows the table.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import cli_env
+
+SCRIPT = Path(__file__).parent / "scripts" / "step_ops.py"
+MODEL = ["--model", "gpt", "--n-layers", "2", "--d-model", "32", "--n-heads", "2", "--seq-len",
+         "16", "--vocab-size", "64", "--dataset", "synthetic", "--batch-size", "2",
+         "--optimizer", "adamw", "--progress", "off", "--dropout", "0"]  # fmt: skip
+UNITS = 3  # two decoder layers and the root: --fsdp-units layer
+# What each part may add to the plain loop's ops, at most: FSDP2's copy-in/out and hooks per
+# unit; the NaN guard (one fused pass over the loss and the gradients, the flags); the trainer's
+# bookkeeping (the batch's profiler range, the update's device flag, the epoch's sums).
+BOUNDS = {"fsdp2": 40 * UNITS, "nan_guard": 20, "trainer": 16}
+# A step that writes a record adds the gradient norm (with the loss's flag on its all-reduce)
+# and the record's gathered row, sent to the host.
+RECORD_BOUNDS = {**BOUNDS, "grad_norm": 20, "step_records": 8, "device_reads": 4}
+
+
+@pytest.fixture(scope="module")
+def ops() -> dict:
+    proc = subprocess.run([sys.executable, str(SCRIPT), *MODEL], env=cli_env(),
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def total(part: dict) -> int:
+    return sum(part.values())
+
+
+@pytest.mark.parametrize("which", ["trainer", "trainer_record"])
+def test_the_model_loss_and_optimizer_ops_are_the_plain_loops(ops, which):
+    plain, step = ops["plain"], ops[which]
+    assert step["forward"] == plain["forward"] and step["backward"] == plain["backward"]
+    # The plain loop's loss is F.cross_entropy's ops; its backward's seed (ones_like) is issued
+    # where backward() is called, in the trainer for fsdp2lab.
+    plain_loss = collections.Counter(plain["plain loop"]) - collections.Counter(
+        {"aten::ones_like": 1}
+    )
+    assert step["loss"] == dict(plain_loss)
+    # Fused AdamW's own ops, plus the step count's restore that a dropped update needs.
+    optimizer = collections.Counter(plain["optimizer"]) + collections.Counter(
+        {"aten::_foreach_sub_": 1}
+    )
+    assert step["optimizer"] == dict(optimizer)
+
+
+@pytest.mark.parametrize("which, bounds", [("trainer", BOUNDS), ("trainer_record", RECORD_BOUNDS)])
+def test_every_extra_op_is_named_and_bounded(ops, which, bounds):
+    step = ops[which]
+    extra = {part: total(o) for part, o in step.items()
+             if part not in ("forward", "backward", "loss", "optimizer")}  # fmt: skip
+    assert set(extra) <= set(bounds), extra  # no op from an unnamed part (DTensor dispatch, ...)
+    assert all(extra[part] <= bounds[part] for part in extra), extra
+    assert extra["fsdp2"] > 0 and extra["nan_guard"] > 0  # the parts are seen at all
