@@ -61,8 +61,8 @@ def test_sharded_norm_and_its_flag_are_reduced_on_the_collective_device(reduced)
     mesh = init_device_mesh("cpu", (1,))
     grads = [distribute_tensor(torch.full((4, 2), 3.0), mesh, [Shard(0)]) for _ in range(2)]
     flag = torch.tensor(float("nan"))  # on the host, like the gradients
-    norm, folded = grad_norm.total_grad_norm([_Param(g) for g in grads], flag=flag)
-    assert folded
+    norm, verdict = grad_norm.total_grad_norm([_Param(g) for g in grads], flag=flag)
+    assert verdict is not None and verdict.device == META
     assert [t.device for t in reduced] == [META]
     assert norm.device == META
 

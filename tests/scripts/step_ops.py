@@ -6,7 +6,8 @@ A ``TorchDispatchMode`` sees every op at the top of the dispatcher (a DTensor op
 and files it under the part of the step that issued it: ``backward`` (inside autograd's engine,
 outside FSDP2's hooks), ``fsdp2`` (``torch.distributed.fsdp``), ``dtensor``, ``optimizer``
 (``torch.optim``), and fsdp2lab's own modules (``loss``, ``nan_guard``, ``grad_norm``,
-``step_records``, ``trainer``, ...), else ``forward`` (the model). The data loader's work on the
+``step_records``, ``trainer``, ...), else ``forward`` (the model, also a library's: transformers,
+PEFT). The data loader's work on the
 host is left out (``step_syncs.HostLoader``). The plain loop runs two steps (the optimizer state
 made), then one counted; the trainer runs ``fit`` over 5 steps with a record every 4, counted
 per step as ``step_syncs.PerStep`` does: step 3 writes no record, step 4 does. Prints one JSON
@@ -33,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp2lab.cli import build_parser
 from fsdp2lab.config import config_from_args
+from fsdp2lab.models.spec import logits_of
 from fsdp2lab.runtime.distributed import Runtime, exit_process
 from fsdp2lab.training.session import build_hooks
 from fsdp2lab.training.trainer import Trainer
@@ -59,6 +61,8 @@ def part_of(stack: list[traceback.FrameSummary]) -> str:
             return "forward" if rel.parts[0] == "models" else path.stem
         elif path.name == Path(__file__).name:
             return "backward" if in_backward else "plain loop"
+        elif "site-packages" in path.parts:  # a library's model code (transformers, PEFT)
+            return "backward" if in_backward else "forward"
     return "backward" if in_backward else "forward"
 
 
@@ -87,7 +91,7 @@ def plain_loop(trainer: Trainer, counter: CountOps):
 
     def step():
         x, y = next(batches)
-        logits = model(x)
+        logits = logits_of(model(x))
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         loss.backward()
         optimizer.step()

@@ -9,6 +9,7 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -100,22 +101,40 @@ def per_rank(
 
 
 class Throughput:
-    """Global samples (and tokens, for language models) per second since the last mark."""
+    """Global samples (and tokens, for language models) per second since the last mark, timed on
+    the device: a CUDA event at each mark (a rate read when its events have passed, as a step
+    record's values are), the host's clock on CPU."""
 
-    def __init__(self, tokens_per_sample: int | None):
+    def __init__(self, tokens_per_sample: int | None, device: torch.device):
         self.tokens_per_sample = tokens_per_sample
+        self.cuda = device.type == "cuda"
         self.mark(0)
 
-    def mark(self, samples_seen: int) -> None:
-        self.at, self.samples = time.perf_counter(), samples_seen
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
-    def since_mark(self, samples_seen: int) -> dict[str, float]:
-        """The rates since the last mark, which moves here."""
-        now = time.perf_counter()
-        rates = {"samples_per_s": (samples_seen - self.samples) / max(now - self.at, 1e-9)}
-        if self.tokens_per_sample:
-            rates["tokens_per_s"] = rates["samples_per_s"] * self.tokens_per_sample
-        self.mark(samples_seen)
+    def _seconds(self, start, end) -> float:
+        return start.elapsed_time(end) / 1000 if self.cuda else end - start
+
+    def mark(self, samples_seen: int) -> None:
+        self.at, self.samples = self._now(), samples_seen
+
+    def since_mark(self, samples_seen: int) -> Callable[[], dict[str, float]]:
+        """The rates since the last mark, which moves here: a function that gives them once the
+        device has passed this point (at once on CPU)."""
+        start, end, samples = self.at, self._now(), samples_seen - self.samples
+        self.at, self.samples = end, samples_seen
+
+        def rates() -> dict[str, float]:
+            out = {"samples_per_s": samples / max(self._seconds(start, end), 1e-9)}
+            if self.tokens_per_sample:
+                out["tokens_per_s"] = out["samples_per_s"] * self.tokens_per_sample
+            return out
+
         return rates
 
 

@@ -88,7 +88,8 @@ class Trainer:
         # as written to the metrics file.
         self.last_step_record: dict = {}
         self.last_epoch_record: dict = {}
-        self.throughput = m.Throughput(cfg.seq_len if self.plan.spec.task == "lm" else None)
+        tokens = cfg.seq_len if self.plan.spec.task == "lm" else None
+        self.throughput = m.Throughput(tokens, self.device)
         # Dropout differs per rank (as it would on separate GPUs) but is reproducible.
         torch.manual_seed(cfg.seed * 1000 + runtime.rank)
         self.epoch_times: list[float] = []
@@ -338,8 +339,8 @@ class Trainer:
             "lr": self.optimizer.param_groups[0]["lr"],
             **({"loss_scale": self.scaler.get_scale()} if self.scaler is not None else {}),
             "samples_seen": self.state.samples_seen,
-            **self.throughput.since_mark(self.state.samples_seen),
         }
+        rates = self.throughput.since_mark(self.state.samples_seen)
         on_device = {"loss": loss}
         if self.last_grad_norm is not None:
             on_device["grad_norm"] = self.last_grad_norm
@@ -348,7 +349,7 @@ class Trainer:
             mean_loss = sum(columns.pop("loss")) / self.runtime.world_size
             grad_norm = columns.pop("grad_norm", [None])[0]  # the same on every rank
             self.last_step_record = self.metrics.write(
-                "step", **head, loss=mean_loss, grad_norm=grad_norm, **tail, **columns
+                "step", **head, loss=mean_loss, grad_norm=grad_norm, **tail, **rates(), **columns
             )
             for hook in self.hooks:
                 hook.after_step_record(self, self.last_step_record)
