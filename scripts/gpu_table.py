@@ -8,9 +8,10 @@ layers, 32 heads, 8 KV heads, vocabulary 128256, tied embeddings; transformers b
 own init), trained on synthetic tokens: ``--seq-len 2048 --batch-size 4 --mixed-precision bf16
 --optimizer adamw --max-steps 30`` on one device. Rows (``--rows``, in this order):
 
-* ``fsdp2``, ``single``, ``ac-full``, ``compile``: ``fsdp2lab train`` (FSDP2 on one rank;
-  ``--strategy single``; ``--activation-checkpointing full``; ``--compile``), each in its own
-  process, a step record every step (``--metrics-file``).
+* ``fsdp2``, ``single``, ``ac-full``, ``compile``, ``lora``, ``offload``: ``fsdp2lab train``
+  (FSDP2 on one rank; ``--strategy single``; ``--activation-checkpointing full``; ``--compile``;
+  ``--lora-rank 16``; ``--cpu-offload --max-grad-norm 1.0``), each in its own process, a step
+  record every step (``--metrics-file``).
 * ``plain``, ``plain-fused``: the same Hugging Face model in a plain loop (fp32 weights, bf16
   autocast, ``torch.optim.AdamW`` with ``foreach=True``, then ``fused=True``), in a fresh process.
 * ``plan``, ``plan-ac``: ``fsdp2lab plan --world-size 1 --gpu GPU`` of the ``fsdp2`` row, without
@@ -43,6 +44,8 @@ TRAIN_ROWS = {
     "single": ["--strategy", "single"],
     "ac-full": ["--activation-checkpointing", "full"],
     "compile": ["--compile"],
+    "lora": ["--lora-rank", "16", "--lora-dropout", "0"],
+    "offload": ["--cpu-offload", "--max-grad-norm", "1.0"],
 }
 PLAIN_ROWS = {"plain": "foreach", "plain-fused": "fused"}
 PLAN_ROWS = {"plan": [], "plan-ac": ["--activation-checkpointing", "full"]}
@@ -52,6 +55,8 @@ LABELS = {
     "single": "fsdp2lab --strategy single",
     "ac-full": "fsdp2lab --activation-checkpointing full",
     "compile": "fsdp2lab --compile",
+    "lora": "fsdp2lab --lora-rank 16",
+    "offload": "fsdp2lab --cpu-offload --max-grad-norm 1.0",
     "plain": "plain loop (HF model, fp32 weights, bf16 autocast, AdamW foreach)",
     "plain-fused": "plain loop, AdamW fused",
     "plan": "fsdp2lab plan, no AC",

@@ -61,13 +61,17 @@ def test_the_model_loss_and_optimizer_ops_are_the_plain_loops(ops, which):
         {"aten::_foreach_sub_": 1}
     )
     assert step["optimizer"] == dict(optimizer)
+    # So are their FLOPs: no extra matmul anywhere (FSDP2, the guard, the trainer have none).
+    flops = {part: c["flops"] for part, c in step["cost"].items() if c["flops"]}
+    plain_flops = {part: c["flops"] for part, c in plain["cost"].items() if c["flops"]}
+    assert flops == {"forward": plain_flops["forward"], "backward": plain_flops["backward"]}
 
 
 @pytest.mark.parametrize("which, bounds", [("trainer", BOUNDS), ("trainer_record", RECORD_BOUNDS)])
 def test_every_extra_op_is_named_and_bounded(ops, which, bounds):
     step = ops[which]
     extra = {part: total(o) for part, o in step.items()
-             if part not in ("forward", "backward", "loss", "optimizer")}  # fmt: skip
+             if part not in ("forward", "backward", "loss", "optimizer", "cost")}  # fmt: skip
     assert set(extra) <= set(bounds), extra  # no op from an unnamed part (DTensor dispatch, ...)
     assert all(extra[part] <= bounds[part] for part in extra), extra
     assert extra["fsdp2"] > 0 and extra["nan_guard"] > 0  # the parts are seen at all

@@ -11,7 +11,8 @@ PEFT). The data loader's work on the
 host is left out (``step_syncs.HostLoader``). The plain loop runs two steps (the optimizer state
 made), then one counted; the trainer runs ``fit`` over 5 steps with a record every 4, counted
 per step as ``step_syncs.PerStep`` does: step 3 writes no record, step 4 does. Prints one JSON
-line: ``{"plain": {part: {op: n}}, "trainer": {...}, "trainer_record": {...}}``.
+line: ``{"plain": {part: {op: n}, "cost": {part: {"flops": n, "bytes": n}}}, "trainer": {...},
+"trainer_record": {...}}``.
 
 python tests/scripts/step_ops.py TRAIN_FLAGS...
 """
@@ -30,7 +31,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from step_syncs import HostLoader, PerStep
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 from fsdp2lab.cli import build_parser
 from fsdp2lab.config import config_from_args
@@ -66,21 +69,43 @@ def part_of(stack: list[traceback.FrameSummary]) -> str:
     return "backward" if in_backward else "forward"
 
 
+def _bytes(value) -> int:
+    tensors = [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 class CountOps(TorchDispatchMode):
+    """Ops by part, with each part's FLOPs (torch's own formulas, ``flop_registry``) and bytes
+    moved (every tensor an op reads and writes, once; views move none)."""
+
     def __init__(self):
         super().__init__()
         self.paused = False
+        self._reset()
+
+    def _reset(self) -> None:
         self.parts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.cost: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if not self.paused:
-            self.parts[part_of(traceback.extract_stack()[:-1])][func._schema.name] += 1
-        return func(*args, **(kwargs or {}))
+            part = part_of(traceback.extract_stack()[:-1])
+            self.parts[part][func._schema.name] += 1
+            formula = flop_registry.get(func._overloadpacket)
+            if formula is not None:
+                self.cost[part]["flops"] += formula(*args, **kwargs, out_val=out)
+            if not func.is_view:
+                self.cost[part]["bytes"] += _bytes((args, kwargs)) + _bytes(out)
+        return out
 
     def take(self) -> dict:
-        """The ops so far, by part, which start again from none."""
-        parts, self.parts = self.parts, collections.defaultdict(collections.Counter)
-        return {part: dict(ops) for part, ops in sorted(parts.items())}
+        """The ops so far by part (and each part's ``cost``), which start again from none."""
+        ops = {part: dict(counts) for part, counts in sorted(self.parts.items())}
+        cost = {part: {"flops": c["flops"], "bytes": c["bytes"]} for part, c in self.cost.items()}
+        self._reset()
+        return {**ops, "cost": dict(sorted(cost.items()))}
 
 
 def plain_loop(trainer: Trainer, counter: CountOps):
