@@ -93,8 +93,8 @@ def test_one_gpu_follows_cpu(one_gpu, tmp_path):
 
 
 def test_bf16_autocast_on_cuda_computes_in_bf16_and_follows_fp32(one_gpu, one_gpu_dir, tmp_path):
-    bf16 = train(tmp_path, *RUN, *ONE, "--strategy", "single", *CUDA,
-                 "--mixed-precision", "bf16", name="bf16", probe=tmp_path / "probe.json")  # fmt: skip
+    bf16 = train(tmp_path, *RUN, *ONE, "--strategy", "single", *CUDA, "--mixed-precision",
+                 "bf16", name="bf16", probe=tmp_path / "probe.json")  # fmt: skip
     assert probed(tmp_path / "probe.json")["linear_outputs"] == ["torch.bfloat16"]
     assert probed(one_gpu_dir / "probe.json")["linear_outputs"] == ["torch.float32"]  # control
     assert_close_lists(bf16.step_losses, one_gpu.step_losses, 5e-2)

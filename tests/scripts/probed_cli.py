@@ -62,9 +62,9 @@ class Probe:
                 "count": len(tensors),
             }
 
+        state_bytes = sum(t.numel() * t.element_size() for t in state)
         self.found.update(params=devices(params), grads=devices(grads),
-                          optimizer_state=devices(state),
-                          optimizer_state_bytes=sum(t.numel() * t.element_size() for t in state))  # fmt: skip
+                          optimizer_state=devices(state), optimizer_state_bytes=state_bytes)  # fmt: skip
         if torch.cuda.is_available():
             self.found["max_memory_allocated"] = torch.cuda.max_memory_allocated()
         self.write()
