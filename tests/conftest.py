@@ -134,12 +134,22 @@ def cli_env(extra: dict | None = None) -> dict:
     return env
 
 
+PROBED_CLI = Path(__file__).parent / "scripts" / "probed_cli.py"
+
+
 def run_cli(
-    args: list[str], *, cwd: Path | None = None, env: dict | None = None, timeout: float = 300
+    args: list[str],
+    *,
+    cwd: Path | None = None,
+    env: dict | None = None,
+    timeout: float = 300,
+    probe: Path | None = None,
 ) -> subprocess.CompletedProcess:
-    """``python -m fsdp2lab ARGS`` in a subprocess."""
+    """``python -m fsdp2lab ARGS`` in a subprocess; with ``probe``, under torch's global hooks
+    that write what they see there (tests/scripts/probed_cli.py: one-rank runs)."""
+    entry = ["-m", "fsdp2lab"] if probe is None else [str(PROBED_CLI), str(probe)]
     return subprocess.run(
-        [sys.executable, "-m", "fsdp2lab", *args],
+        [sys.executable, *entry, *args],
         cwd=cwd,
         env=cli_env(env),
         capture_output=True,
@@ -159,12 +169,17 @@ def train(
     env: dict | None = None,
     check: bool = True,
     timeout: float = 300,
+    probe: Path | None = None,
 ) -> Run:
     """Run ``fsdp2lab train`` with a metrics file; fail the test with the output if it fails."""
     metrics = tmp_path / f"{name}.jsonl"
     metrics.unlink(missing_ok=True)
     proc = run_cli(
-        ["train", *args, "--metrics-file", str(metrics)], cwd=tmp_path, env=env, timeout=timeout
+        ["train", *args, "--metrics-file", str(metrics)],
+        cwd=tmp_path,
+        env=env,
+        timeout=timeout,
+        probe=probe,
     )
     if check and proc.returncode != 0:
         pytest.fail(

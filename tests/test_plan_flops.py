@@ -1,6 +1,8 @@
 """FLOPs per rank in ``fsdp2lab plan``, as the rank's kernels compute them: under ``--tp`` a
 matmul counts its shard of the weight and attention its local heads (not the DTensor op at its
-global shape), checked against the real trainer's step counted by torch's ``FlopCounterMode``.
+global shape), checked against the real trainer's step counted with torch's own FLOP formulas
+(``torch.utils.flop_counter``) on the ops its kernels run (``tests/scripts/step_flops.py``, which
+uses nothing of the plan's counting).
 """
 
 from __future__ import annotations
@@ -67,8 +69,7 @@ def test_tp_rank_computes_its_share():
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_plan_equals_real_step_gpt(k):
-    """The plan's FLOPs per rank equal a real step's on each rank, counted by torch's
-    ``FlopCounterMode`` (at the local level: ``step_flops.py``)."""
+    """The plan's FLOPs per rank equal a real step's on each rank (``step_flops.py``)."""
     flags = [*GPT, *tp(k)]
     assert real_flops(4, flags) == [planned_flops(4, flags)] * 4
 

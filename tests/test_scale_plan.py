@@ -85,7 +85,8 @@ def _add(comm: dict, extra: dict) -> dict:
 
 # (world, flags, collectives the plan leaves out, plan peak / real peak for each stage). The
 # ratio is this machine's: the plan tracks tensors as FSDP2's memory tracker sees them, the real
-# run counts every block the step's code allocates; each case is pinned to its own, within 2%.
+# run counts every block the step's code allocates; each case is pinned to its own, within 2%
+# (mlp's and cnn's traced: test_mlp_and_cnn_gaps_are_hidden_blocks_and_the_plans_input_batch).
 # Under --tp, some of DTensor's collectives' tensors are freed when the collective completes, on
 # no profiled thread (tests/scripts/scale_measure.py): the stage's entry is the (low, high) band
 # of the ratios measured over repeated runs here, within 2%.
@@ -173,6 +174,22 @@ def test_plan_matches_real_trainer(world, flags, left_out, ratios):
         low, high = ratio if isinstance(ratio, tuple) else (ratio, ratio)
         assert low * 0.98 <= p.peak_bytes / peak <= high * 1.02, (
             p.stage, p.peak_bytes / peak, [step["peak_bytes"] for step in r["steps"]])  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [MLP, CNN], ids=["mlp", "cnn"])
+def test_mlp_and_cnn_gaps_are_hidden_blocks_and_the_plans_input_batch(flags):
+    """Where the mlp's and cnn's plan/real ratios (0.937, 0.931) come from: the real peak
+    without the blocks an operator allocates inside its own C++ code (gloo's staging copy of a
+    reduce-scatter's input; convolution backward's workspace: ``scale_measure.hidden_ranges``) is
+    the plan's peak less its ``inputs``, the batch the plan tracks beside the one the step
+    draws, exactly."""
+    plan = simulate(plan_of(2, flags), device_type="cpu")
+    (real,) = measure(2, flags)
+    assert plan.peak_by_category["inputs"] == 16 * 28 * 28 * 4  # one batch of 16 images
+    for step in real["steps"]:
+        assert step["seen_peak_bytes"] < step["peak_bytes"]
+        assert step["seen_peak_bytes"] == plan.peak_bytes - plan.peak_by_category["inputs"]
 
 
 def test_plan_state_equals_trainer_metrics(tmp_path):

@@ -161,6 +161,43 @@ def test_breakdown_of_a_known_gpu_trace(tmp_path):
                   "host": 40}  # fmt: skip
 
 
+def test_breakdown_of_a_cuda_trace_counts_the_host_threads_steps_only(tmp_path):
+    """As torch writes a CUDA trace: each ``ProfilerStep#N`` on the training thread (pid and tid
+    of the process) and again on the GPU stream's lane (pid 0, tid 7, ``gpu_user_annotation``,
+    shifted to the kernels' time), the lanes written first. 5 steps of 1000 us, each: data 0-100,
+    a GEMM kernel 300-500, an NCCL kernel on another stream 450-650 (150 us exposed), the
+    optimizer 800-900."""
+    host, gpu = [], []
+    for i in range(5):
+        b = 1_000_000 + 1000 * i
+        host += [
+            _x(f"ProfilerStep#{6 + i}", b, 1000, tid=4242, cat="user_annotation"),
+            _x("fsdp2lab.data", b, 100, tid=4242, cat="user_annotation"),
+            _x("aten::mm", b + 100, 50, tid=4242),
+            _x("cudaLaunchKernel", b + 110, 10, tid=4242, cat="cuda_runtime"),
+            _x("Optimizer.step#AdamW.step", b + 800, 100, tid=4242, cat="user_annotation"),
+        ]
+        gpu += [
+            _x(f"ProfilerStep#{6 + i}", b + 290, 950, tid=7, cat="gpu_user_annotation"),
+            _x("fsdp2lab.data", b + 290, 10, tid=7, cat="gpu_user_annotation"),
+            _x("ampere_sgemm_64x32", b + 300, 200, tid=7, cat="kernel"),
+            _x("ncclDevKernel_AllReduce_Sum_f32", b + 450, 200, tid=20, cat="kernel"),
+        ]
+    for e in host:
+        e["pid"] = 4242
+    for e in gpu:
+        e["pid"] = 0
+    meta = [{"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": "GPU 0"}}]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": [*meta, *gpu, *host]}))
+    steps = breakdown(path)
+    assert len(steps) == 5, steps
+    for step in steps:
+        ms = {k: round(v * 1000, 6) for k, v in step.items()}
+        assert ms == {"step": 1000, "data": 100, "optimizer": 100, "exposed_comm": 150,
+                      "compute": 200, "host": 450}  # fmt: skip
+
+
 SPEED_SWEEP = """
 [sweep]
 strategies = ["fsdp2"]

@@ -6,11 +6,12 @@ d_model), and for the ``hf:`` Llama also the rotary embedding's cos and sin (seq
 each, shared by the layers).
 
 For the ``gpt`` (slow) and a tiny ``hf:`` Llama (hf: its config saved by ``save_pretrained``,
-our sequence-parallel plan, ``hf.sequence_parallel_plan``), measured by torch's
-``FSDPMemTracker`` at a step's peak, on the real trainer (4 gloo CPU ranks, TP 1, 2 and 4 in one
-launch of ``tests/scripts/tp_memory.py``) and in ``fsdp2lab plan``'s simulation of the same runs,
-which agree within 1%. The loss's chunk is scaled to the tiny models (64 tokens of 8,192 logits),
-as a 128,256-token vocabulary's is 130 tokens of a step's thousands.
+our sequence-parallel plan, ``hf.sequence_parallel_plan``), at a step's peak: on the real trainer
+(4 gloo CPU ranks, TP 1, 2 and 4 in one launch of ``tests/scripts/tp_memory.py``) as the CPU
+allocator's own events (torch's profiler) show it, and in ``fsdp2lab plan``'s simulation of the
+same runs (torch's ``FSDPMemTracker``), which agree within 1%. The loss's chunk is scaled to
+the tiny models (64 tokens of 8,192 logits), as a 128,256-token vocabulary's is 130 tokens of a
+step's thousands.
 """
 
 from __future__ import annotations

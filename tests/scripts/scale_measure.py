@@ -15,8 +15,10 @@ yet: the same step then measures the same peak, run after run.
 One warm-up step (the optimizer state made; under ``--pp`` the schedule's shapes inferred), then
 ``STEPS`` steps, each after a barrier and measured on its own. Rank 0 prints one JSON line,
 ``{"stages": [...]}``, for the first rank of each pipeline stage (one entry without ``--pp``):
-``{"optimizer_state_bytes": ..., "steps": [{"peak_bytes": ..., "comm": {kind: [calls, input
-bytes]}}, ...]}``.
+``{"optimizer_state_bytes": ..., "steps": [{"peak_bytes": ..., "seen_peak_bytes": ..., "comm":
+{kind: [calls, input bytes]}}, ...]}``; ``seen_peak_bytes`` is the peak without the blocks an
+operator allocates inside its own C++ code (``hidden_ranges``), which FSDP2's memory tracker does
+not see.
 
 torchrun --nproc-per-node N tests/scripts/scale_measure.py TRAIN_FLAGS...
 """
@@ -55,15 +57,18 @@ def storage_bytes(model: torch.nn.Module) -> int:
     return sum(seen.values())
 
 
-def step_figures(events: list[dict], name: str, base: int, optimizer_state: int) -> dict:
+def step_figures(
+    events: list[dict], name: str, base: int, optimizer_state: int, seen_only: bool = False
+) -> dict:
     """The gloo collectives inside record range ``name``, and the peak of live tensor bytes in it:
     the parameters and buffers (``base``), the optimizer state, the last step's gradients (what
     the step's ``zero_grad`` frees) and the most the running total rises above its value at the
-    step's start."""
+    step's start. ``seen_only``: without the blocks allocated in :func:`hidden_ranges`."""
     start, end, tid = _range(events, name)
     zero_start, zero_end, _ = _range(events, "Optimizer.zero_grad#", start)
     peak, comm, at_start, grads = 0, {}, 0, 0
-    for ts, nbytes, total in _allocations(events, tid):
+    left_out = hidden_ranges(events, tid) if seen_only else []
+    for ts, nbytes, total in _allocations(events, tid, left_out):
         if ts < start:
             at_start = total
         elif ts <= end:
@@ -110,7 +115,23 @@ def created_by_first_step(events: list[dict]) -> int:
     return after - before
 
 
-def _allocations(events: list[dict], tid: int) -> list[tuple[float, int, int]]:
+def hidden_ranges(events: list[dict], tid: int) -> list[tuple[float, float]]:
+    """Where thread ``tid`` allocates blocks inside one operator's own C++ code, below the
+    dispatch that FSDP2's memory tracker (and so ``fsdp2lab plan``) sees: gloo's staging copy of
+    a collective's input (``c10d::...``: it has no reduce-scatter, and all-reduces a copy), and
+    the workspace of convolution's backward (an ``aten::empty`` inside
+    ``aten::convolution_backward``)."""
+    ops = [e for e in events if e.get("ph") == "X" and e["tid"] == tid]
+    conv = [(e["ts"], e["ts"] + e["dur"]) for e in ops if e["name"] == "aten::convolution_backward"]
+    return [(e["ts"], e["ts"] + e["dur"]) for e in ops
+            if e["name"].startswith("c10d::")
+            or (e["name"] == "aten::empty"
+                and any(a <= e["ts"] and e["ts"] + e["dur"] <= b for a, b in conv))]  # fmt: skip
+
+
+def _allocations(
+    events: list[dict], tid: int, left_out: list[tuple[float, float]] = ()
+) -> list[tuple[float, int, int]]:
     """(time, bytes, running total) of each CPU allocator event of the step's code, in time order:
     the blocks thread ``tid`` allocates and every free of them, and the frees of blocks made before
     the profiler started. Left out: the blocks gloo's worker threads allocate and free themselves
@@ -124,7 +145,7 @@ def _allocations(events: list[dict], tid: int) -> list[tuple[float, int, int]]:
     cpu = [e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0]
     for e in sorted(cpu, key=lambda e: e["ts"]):
         addr, nbytes = e["args"]["Addr"], e["args"]["Bytes"]
-        if nbytes > 0 and e["tid"] != tid:
+        if nbytes > 0 and (e["tid"] != tid or any(a <= e["ts"] <= b for a, b in left_out)):
             theirs.add(addr)
         if addr in theirs:
             if nbytes < 0:
@@ -197,10 +218,12 @@ def main() -> None:
     base = storage_bytes(trainer.model)
     events = profiled_steps(trainer, [f"measured step {i}" for i in range(STEPS)])
     state = created_by_first_step(events)
-    result = {
-        "optimizer_state_bytes": state,
-        "steps": [step_figures(events, f"measured step {i}", base, state) for i in range(STEPS)],
-    }
+    steps = []
+    for name in [f"measured step {i}" for i in range(STEPS)]:
+        step = step_figures(events, name, base, state)
+        step["seen_peak_bytes"] = step_figures(events, name, base, state, True)["peak_bytes"]
+        steps.append(step)
+    result = {"optimizer_state_bytes": state, "steps": steps}
     results: list = [None] * world
     dist.all_gather_object(results, result)
     if rank == 0:

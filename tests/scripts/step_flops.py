@@ -1,8 +1,11 @@
 """FLOPs of one real training step on each rank (gloo, CPU): the trainer's :class:`Trainer` built
-from train flags, one ``Trainer.train_step`` under torch's ``FlopCounterMode`` with
-:class:`fsdp2lab.scale.simulate.LocalFlopCounter` above it, so the counter sees the local ops each
-rank runs (a DTensor op at its shards' shapes). Rank 0 prints one JSON line: ``{"flops": [...]}``,
-one entry a rank.
+from train flags, one ``Trainer.train_step`` under :class:`LocalFlops`, which counts with
+torch's own FLOP formulas (``torch.utils.flop_counter``'s, as ``FlopCounterMode`` does) the ops
+each rank's kernels run: an op on DTensors is left to DTensor's dispatch (``NotImplemented``),
+which runs it on the local shards with this mode still on the stack; an op on fake tensors
+(DTensor inferring an output's global shape) runs no kernel and counts nothing. Nothing of
+``fsdp2lab plan``'s counting is used. Rank 0 prints one JSON line: ``{"flops": [...]}``, one
+entry a rank.
 
 torchrun --nproc-per-node N tests/scripts/step_flops.py TRAIN_FLAGS...
 """
@@ -13,14 +16,35 @@ import json
 import os
 import sys
 
+import torch
 import torch.distributed as dist
-from torch.utils.flop_counter import FlopCounterMode
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
 
 from fsdp2lab.cli import build_parser
 from fsdp2lab.config import config_from_args
 from fsdp2lab.runtime.distributed import Runtime, exit_process, pick_device
-from fsdp2lab.scale.simulate import LocalFlopCounter
 from fsdp2lab.training.trainer import Trainer
+
+
+class LocalFlops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if formula is not None and not any(isinstance(t, FakeTensor) for t in tensors):
+            self.flops += formula(*args, **kwargs, out_val=out)
+        return out
 
 
 def main() -> None:
@@ -31,10 +55,10 @@ def main() -> None:
     runtime = Runtime(rank, world, local_rank, pick_device("cpu", local_rank), "gloo")
     trainer = Trainer(cfg, runtime)
     batches = iter(trainer.loader)
-    with FlopCounterMode(display=False) as counter, LocalFlopCounter(counter):
+    with LocalFlops() as counter:
         trainer.train_step(batches)
     flops: list = [None] * world
-    dist.all_gather_object(flops, counter.get_total_flops())
+    dist.all_gather_object(flops, counter.flops)
     if rank == 0:
         print(json.dumps({"flops": flops}))
     dist.barrier()

@@ -40,6 +40,9 @@ _COMM = re.compile(
 _FSDP_HOOKS = re.compile(r"^FSDP::")
 _OPTIMIZER = re.compile(r"^Optimizer\.(step|zero_grad)")
 _STEP = re.compile(r"^ProfilerStep#(\d+)$")
+# What a CUDA trace records on the GPU's lanes (a stream each): kernels, copies, and the copies
+# of the host's record_function ranges.
+_DEVICE = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation")
 
 
 def trace_path(folder: str | Path, rank: int) -> Path:
@@ -135,20 +138,30 @@ def _clip(intervals, start: float, end: float) -> list[tuple[float, float]]:
     return [(max(s, start), min(e, end)) for s, e in intervals if e > start and s < end]
 
 
+def _lane(event: dict) -> tuple:
+    return event.get("pid"), event.get("tid")
+
+
 def breakdown(trace: str | Path) -> list[dict[str, float]]:
-    """Per profiled step, milliseconds of each of ``PARTS`` (they add up to ``step``)."""
+    """Per profiled step, milliseconds of each of ``PARTS`` (they add up to ``step``).
+
+    The steps are the training thread's ``ProfilerStep#N`` ranges: a CUDA trace also has each
+    range's copy on the GPU stream's lane (category ``gpu_user_annotation``), left out."""
     events = [e for e in json.loads(Path(trace).read_text())["traceEvents"] if e.get("ph") == "X"]
+    device = [e for e in events if e.get("cat") in _DEVICE]
+    events = [e for e in events if e.get("cat") not in _DEVICE]
     steps = [e for e in events if _STEP.match(e.get("name", ""))]
     if not steps:
         return []
-    main_tid = steps[0]["tid"]
-    kernels = [e for e in events if e.get("cat") == "kernel"]
+    main = _lane(min(steps, key=lambda e: e["ts"]))
+    steps = [e for e in steps if _lane(e) == main]
+    kernels = [e for e in device if e.get("cat") == "kernel"]
 
     def spans(pred, evs) -> list[tuple[float, float]]:
         return _union([(e["ts"], e["ts"] + e["dur"]) for e in evs if pred(e["name"])])
 
-    host = [e for e in events if e["tid"] == main_tid and not _STEP.match(e["name"])]
-    others = [e for e in events if e["tid"] != main_tid and isinstance(e["tid"], int)]
+    host = [e for e in events if _lane(e) == main and not _STEP.match(e["name"])]
+    others = [e for e in events if _lane(e) != main and isinstance(e["tid"], int)]
     data = spans(lambda n: n == DATA_RANGE, host)
     optimizer = _minus(spans(_OPTIMIZER.match, host), data)
     taken = _union(data + optimizer)
