@@ -11,7 +11,8 @@ the seed builds is passed to FSDP (the seed's comment says it shards layers of m
 parameters, but its call leaves the policy out); ``--dataset fashion-mnist`` reads Debian's
 ``dataset-fashion-mnist`` files; ``--target-accuracy A`` stops at the first test at or above A%
 and prints the time it took from the start of the training loop, the seed's timer; each rank
-ends through ``exit_process``, as fsdp2lab's do.
+ends through ``exit_process``, as fsdp2lab's do; ``--train-samples N`` trains on the first N
+training samples only (a quick check of the script; its timings use them all).
 """
 
 from __future__ import annotations
@@ -134,6 +135,8 @@ def fsdp_main(rank, world_size, args, port):
         [transforms.ToTensor(), transforms.Normalize(*NORMALIZE[args.dataset])]
     )
     dataset1, dataset2 = datasets_for(args.dataset, Path(args.data_dir), transform)
+    if args.train_samples is not None:
+        dataset1 = torch.utils.data.Subset(dataset1, range(args.train_samples))
     sampler1 = DistributedSampler(dataset1, rank=rank, num_replicas=world_size, shuffle=True)
     sampler2 = DistributedSampler(dataset2, rank=rank, num_replicas=world_size)
     loader_kwargs = {"num_workers": 2, "pin_memory": cuda, "shuffle": False}
@@ -181,6 +184,7 @@ def main() -> None:
     parser.add_argument("--data-dir", default="../data")
     parser.add_argument("--world-size", type=int, default=None)
     parser.add_argument("--target-accuracy", type=float, default=None, metavar="PERCENT")
+    parser.add_argument("--train-samples", type=int, default=None, metavar="N")
     args = parser.parse_args()
     if args.dataset == "fashion-mnist":
         unpack_fashion_mnist(Path(args.data_dir))

@@ -145,6 +145,17 @@ FIT = ["--max-steps", str(STEPS), "--log-every-steps", "1", "--optimizer", "adam
        "--global-batch-size", "16", *COMMON]  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def untied_reference(folders, tmp_path_factory) -> list[float]:
+    """One process's losses on the untied Llama: what the TP and PP runs follow."""
+    where = tmp_path_factory.mktemp("untied")
+    single = train(where, "--model", f"hf:{folders['llama-untied']}", *FIT, "--strategy", "single",
+                   name="single")  # fmt: skip
+    reference = single.step_losses
+    assert len(reference) == STEPS and reference[-1] < reference[0] - 0.5, reference
+    return reference
+
+
 def test_fsdp2_and_hsdp_fine_tuning_match_one_process_at_every_step(folders, tmp_path):
     model = ["--model", f"hf:{folders['llama']}"]
     single = train(tmp_path, *model, *FIT, "--strategy", "single", name="single")
@@ -172,14 +183,14 @@ def save_qwen3(folder: Path, layers: int = 2) -> Path:
 SP_PLAN = "fsdp2lab: tensor parallel plan: fsdp2lab's for {} (sequence parallel norms and "
 
 
-def test_sequence_parallel_tp_matches_one_process_at_every_step(folders, tmp_path):
+def test_sequence_parallel_tp_matches_one_process_at_every_step(
+    folders, untied_reference, tmp_path
+):
     """The Llama family's own plan (sequence parallelism, vocabulary-parallel loss): TP 2,
     FSDP 2 x TP 2 and PP 2 x TP 2 follow one process within 1e-5 over 20 steps, Qwen3 (per-head
     q/k norms) under TP 2 too."""
     model = ["--model", f"hf:{folders['llama-untied']}"]
-    single = train(tmp_path, *model, *FIT, "--strategy", "single", name="single")
-    reference = single.step_losses
-    assert len(reference) == STEPS and reference[-1] < reference[0] - 0.5, reference
+    reference = untied_reference
     tp = train(tmp_path, *model, *FIT, "--nproc-per-node", "2", "--tp", "2", name="tp")
     assert SP_PLAN.format("llama") in tp.stdout
     assert_close_lists(tp.step_losses, reference, 1e-5)
@@ -241,11 +252,11 @@ def test_tp_plans_fsdp2lab_cannot_follow_are_refused(folders, tmp_path):
         resolve(TrainConfig(model=f"hf:{folders['qwen2']}", seq_len=SEQ, tp=3), 3)
 
 
-def test_pipeline_fine_tuning_matches_one_process_at_every_step(folders, tmp_path):
+def test_pipeline_fine_tuning_matches_one_process_at_every_step(
+    folders, untied_reference, tmp_path
+):
     model = ["--model", f"hf:{folders['llama-untied']}"]
-    single = train(tmp_path, *model, *FIT, "--strategy", "single", name="single")
-    reference = single.step_losses
-    assert len(reference) == STEPS and reference[-1] < reference[0] - 0.5, reference
+    reference = untied_reference
     pp = train(tmp_path, *model, *FIT, "--nproc-per-node", "2", "--pp", "2", "--pp-schedule",
                "1f1b", name="pp")  # fmt: skip
     assert "stage 0 [model.embed_tokens, model.layers.0]; stage 1 [model.layers.1, model.norm, " \

@@ -15,7 +15,7 @@ import pytest
 from conftest import GPT_TINY, assert_close_lists, run_cli, train
 from fsdp2lab import cli
 from fsdp2lab.config import TrainConfig
-from fsdp2lab.data.tokens import TokenWindows, WindowOrder, load
+from fsdp2lab.data.token_windows import TokenWindows, WindowOrder, load
 from fsdp2lab.errors import UsageError
 from fsdp2lab.plan import resolve_here
 

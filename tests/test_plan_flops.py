@@ -33,8 +33,9 @@ def planned_flops(world: int, flags: list[str]) -> int:
     return simulate(plan, device_type="cpu").flops
 
 
-def real_flops(world: int, flags: list[str]) -> list[int]:
-    """Each rank's FLOPs in one real ``Trainer.train_step`` (gloo, ``world`` CPU ranks)."""
+def real_flops(world: int, runs: list[list[str]]) -> list[list[int]]:
+    """For each run's flags, each rank's FLOPs in one real ``Trainer.train_step`` (gloo, the runs
+    one after another in the same ``world`` CPU ranks)."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -43,7 +44,7 @@ def real_flops(world: int, flags: list[str]) -> list[int]:
             "--standalone",
             f"--nproc-per-node={world}",
             str(STEP_FLOPS),
-            *flags,
+            json.dumps(runs),
         ],  # fmt: skip
         env=cli_env(),
         capture_output=True,
@@ -58,6 +59,15 @@ def tp(k: int) -> list[str]:
     return ["--tp", str(k)] if k > 1 else []
 
 
+KS = (1, 2, 4)
+
+
+def measured(runs: dict[int, list[str]]) -> dict[int, tuple[list[str], list[int]]]:
+    """k -> (flags, each rank's real FLOPs), every k's step in one launch of 4 ranks."""
+    real = real_flops(4, list(runs.values()))
+    return {k: (flags, r) for (k, flags), r in zip(runs.items(), real, strict=True)}
+
+
 def test_tp_rank_computes_its_share():
     """At TP k a rank of the tiny GPT computes 1/k of what a rank without TP computes for the
     same local batch (each TP group shares its batch): exactly, as nothing is replicated."""
@@ -66,24 +76,38 @@ def test_tp_rank_computes_its_share():
         assert planned_flops(4, [*GPT, *tp(k)]) * k == full, k
 
 
+@pytest.fixture(scope="module")
+def gpt_runs() -> dict:
+    """The tiny GPT at TP 1, 2 and 4."""
+    return measured({k: [*GPT, *tp(k)] for k in KS})
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("k", [1, 2, 4])
-def test_plan_equals_real_step_gpt(k):
-    """The plan's FLOPs per rank equal a real step's on each rank (``step_flops.py``)."""
-    flags = [*GPT, *tp(k)]
-    assert real_flops(4, flags) == [planned_flops(4, flags)] * 4
+@pytest.mark.parametrize("k", KS)
+def test_plan_equals_real_step_gpt(gpt_runs, k):
+    """The plan's FLOPs per rank equal a real step's on each rank, counted with torch's own FLOP
+    formulas on the local ops (``step_flops.py``)."""
+    flags, real = gpt_runs[k]
+    assert real == [planned_flops(4, flags)] * 4
 
 
-@pytest.mark.hf
-@pytest.mark.parametrize("k", [1, 2, 4])
-def test_plan_equals_real_step_hf_llama(tmp_path, k):
-    """A Llama from ``config.json`` alone, with the model's own TP plan."""
+@pytest.fixture(scope="module")
+def llama_runs(tmp_path_factory) -> dict:
+    """A Llama from ``config.json`` alone at TP 1, 2 and 4."""
     transformers = pytest.importorskip("transformers")
-    folder = tmp_path / "llama"
+    folder = tmp_path_factory.mktemp("flops") / "llama"
     transformers.LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=4, vocab_size=256, max_position_embeddings=64,
         tie_word_embeddings=False,
     ).save_pretrained(folder)  # fmt: skip
-    flags = [*TINY, "--model", f"hf:{folder}", "--seq-len", "16", "--batch-size", "2", *tp(k)]
-    assert real_flops(4, flags) == [planned_flops(4, flags)] * 4
+    model = [*TINY, "--model", f"hf:{folder}", "--seq-len", "16", "--batch-size", "2"]
+    return measured({k: [*model, *tp(k)] for k in KS})
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("k", KS)
+def test_plan_equals_real_step_hf_llama(llama_runs, k):
+    """A Llama from ``config.json`` alone, with the model's own TP plan."""
+    flags, real = llama_runs[k]
+    assert real == [planned_flops(4, flags)] * 4

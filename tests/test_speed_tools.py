@@ -12,7 +12,7 @@ from conftest import read_metrics, run_cli, train
 from fsdp2lab.bench.results import step_time
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.plan import resolve
-from fsdp2lab.training.profiler import PARTS, breakdown
+from fsdp2lab.training.trace import PARTS, breakdown
 
 SYNTH = ["--dataset", "synthetic", "--synthetic-size", "2048", "--progress", "off"]
 

@@ -14,7 +14,7 @@ import pytest
 from conftest import GPT_TINY
 from fsdp2lab import cli
 from fsdp2lab.config import TrainConfig
-from fsdp2lab.data import tokens
+from fsdp2lab.data import token_windows, tokens
 from fsdp2lab.errors import UsageError
 from fsdp2lab.plan import resolve_here
 
@@ -57,7 +57,7 @@ def test_a_whole_folder_is_accepted_and_read(tmp_path):
     folder = token_folder(tmp_path / "t")
     check(folder)
     check(token_folder(tmp_path / "t32", dtype="uint32", largest=VOCAB - 1))
-    train, val = tokens.load(str(folder), 16)
+    train, val = token_windows.load(str(folder), 16)
     assert len(train) == (400 - 1) // 16 and len(val) == (100 - 1) // 16
 
 

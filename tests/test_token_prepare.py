@@ -178,7 +178,7 @@ def test_a_long_document_in_pieces_has_the_tokens_of_a_whole_encoding(bos, tmp_p
 @pytest.mark.slow  # 1-4 minutes on a busy 2-core machine
 def test_a_100_mb_one_line_document_takes_under_1_gb(tokenizer, tmp_path):
     """A JSON line whose text is 100 MB, prepared in a process of its own: its peak resident
-    memory (VmHWM, torch's ~530 MB included) stays under 1 GB. Not ru_maxrss: a child inherits
+    memory (VmHWM) stays under 1 GB. Not ru_maxrss: a child inherits
     its parent's high-water mark across fork and exec (this test's pytest process, 1.2 GB late
     in the slow stage)."""
     words = " ".join(documents(2000, seed=3)) + " "

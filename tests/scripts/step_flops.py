@@ -4,10 +4,10 @@ torch's own FLOP formulas (``torch.utils.flop_counter``'s, as ``FlopCounterMode`
 each rank's kernels run: an op on DTensors is left to DTensor's dispatch (``NotImplemented``),
 which runs it on the local shards with this mode still on the stack; an op on fake tensors
 (DTensor inferring an output's global shape) runs no kernel and counts nothing. Nothing of
-``fsdp2lab plan``'s counting is used. Rank 0 prints one JSON line: ``{"flops": [...]}``, one
-entry a rank.
+``fsdp2lab plan``'s counting is used. Several runs, one after another in the same ranks: rank 0
+prints one JSON line, ``{"flops": [[...], ...]}``, a list per run with one entry a rank.
 
-torchrun --nproc-per-node N tests/scripts/step_flops.py TRAIN_FLAGS...
+torchrun --nproc-per-node N tests/scripts/step_flops.py '[[TRAIN_FLAGS...], ...]'
 """
 
 from __future__ import annotations
@@ -47,18 +47,24 @@ class LocalFlops(TorchDispatchMode):
         return out
 
 
+def step_flops(flags: list[str], runtime: Runtime) -> list[int]:
+    """Each rank's FLOPs in one training step of ``fsdp2lab train FLAGS``."""
+    trainer = Trainer(config_from_args(build_parser().parse_args(["train", *flags])), runtime)
+    batches = iter(trainer.loader)
+    with LocalFlops() as counter:
+        trainer.train_step(batches)
+    flops: list = [None] * runtime.world_size
+    dist.all_gather_object(flops, counter.flops)
+    return flops
+
+
 def main() -> None:
-    cfg = config_from_args(build_parser().parse_args(["train", *sys.argv[1:]]))
+    runs = json.loads(sys.argv[1])
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     runtime = Runtime(rank, world, local_rank, pick_device("cpu", local_rank), "gloo")
-    trainer = Trainer(cfg, runtime)
-    batches = iter(trainer.loader)
-    with LocalFlops() as counter:
-        trainer.train_step(batches)
-    flops: list = [None] * world
-    dist.all_gather_object(flops, counter.flops)
+    flops = [step_flops(flags, runtime) for flags in runs]
     if rank == 0:
         print(json.dumps({"flops": flops}))
     dist.barrier()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from fsdp2lab.config import TrainConfig, load_toml
 from fsdp2lab.errors import UsageError
-from fsdp2lab.training.profiler import breakdown, summarize, trace_path
+from fsdp2lab.training.trace import breakdown, summarize, trace_path
 
 COLUMNS = [
     "run",

@@ -18,11 +18,12 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-
-from torch.distributed.checkpoint.metadata import Metadata
+from typing import TYPE_CHECKING
 
 from fsdp2lab.errors import UsageError
-from fsdp2lab.runtime.torch_compat import RefusedPickle, SafeFileSystemReader
+
+if TYPE_CHECKING:  # torch comes with reading a checkpoint's metadata (read_metadata), not before
+    from torch.distributed.checkpoint.metadata import Metadata
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
@@ -239,6 +240,8 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
 
 def read_metadata(path: Path) -> Metadata:
     """A step folder's DCP metadata, read without running code; a UsageError if it is not."""
+    from fsdp2lab.runtime.torch_compat import RefusedPickle, SafeFileSystemReader
+
     try:
         return SafeFileSystemReader(path).read_metadata()
     except RefusedPickle as e:

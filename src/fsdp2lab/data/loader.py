@@ -10,7 +10,7 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from fsdp2lab.config import TrainConfig, is_reference
-from fsdp2lab.data import sources, synthetic, text, tokens, user
+from fsdp2lab.data import sources, synthetic, text, token_windows, tokens, user
 from fsdp2lab.data.arrays import ArrayDataset, collate_batch
 from fsdp2lab.data.sampler import DistributedBatchSampler
 from fsdp2lab.errors import UsageError
@@ -95,7 +95,7 @@ def load(
             spec.input_shape, cfg.synthetic_size, n_test, cfg.seed, classes=spec.num_classes or 10
         )
     if choice.name == "tokens":
-        return tokens.load(choice.folder, cfg.seq_len)
+        return token_windows.load(choice.folder, cfg.seq_len)
     if choice.name == "text":
         if cfg.vocab_size < 256:
             raise UsageError(

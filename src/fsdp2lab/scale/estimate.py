@@ -30,10 +30,13 @@ state, every collective's bytes, FLOPs. Estimated here, each by a stated model:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from fsdp2lab.plan import RunPlan
 from fsdp2lab.scale.gpus import GPU
-from fsdp2lab.scale.simulate import Phase, RoleRun
+
+if TYPE_CHECKING:  # importing them imports torch: ``fsdp2lab plan --help`` goes without it
+    from fsdp2lab.plan import RunPlan
+    from fsdp2lab.scale.simulate import Phase, RoleRun
 
 GIB = 1024**3
 # Calibrated on torchtitan's Table 1 only (Llama 3.1 8B, FSDP on 8 H100 96 GB, local batch 2,
@@ -93,6 +96,8 @@ def reserved_bytes(run: RoleRun, phase: Phase | None = None) -> int:
 def phase_figures(run: RoleRun, hw: Hardware) -> list[dict]:
     """Each phase of ``run`` (its training step where it has none listed): tracked peak, reserved
     estimate, host bytes, whether it fits and its headroom."""
+    from fsdp2lab.scale.simulate import Phase
+
     usable = hw.gpu.hbm_gib * GIB * (1 - hw.margin)
     phases = run.phases or [Phase("training step", run.peak_bytes, run.peak_by_category)]
     out = []
