@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import GPT_TINY, TINY, assert_close_lists, cli_env, read_metrics, train
+from conftest import GPT_TINY, TINY, assert_close_lists, cli_env, read_metrics, run_variants, train
 
 PARITY = [
     *TINY,
@@ -107,16 +107,23 @@ def test_initial_full_weights_identical_for_every_mesh(tmp_path):
         "--max-steps",
         "1",
     ]
-    layouts = {
-        "single": ["--strategy", "single"],
-        "fsdp2-2": ["--nproc-per-node", "2"],
-        "fsdp2-4": ["--nproc-per-node", "4"],
-        "hsdp-2x2": ["--nproc-per-node", "4", "--dp-replicate", "2"],
+    layouts = {  # name: (ranks, flags); a world size's layouts in the same ranks (run_variants)
+        "single": (1, ["--strategy", "single"]),
+        "fsdp2-2": (2, []),
+        "fsdp2-4": (4, []),
+        "hsdp-2x2": (4, ["--dp-replicate", "2"]),
     }
-    states = {}
-    for name, layout in layouts.items():
-        train(tmp_path, *frozen, *layout, "--save-model", str(tmp_path / f"{name}.pt"), name=name)
-        states[name] = torch.load(tmp_path / f"{name}.pt")
+    for ranks in (1, 2, 4):
+        variants = {
+            name: {"flags": [*flags, "--save-model", str(tmp_path / f"{name}.pt")]}
+            for name, (n, flags) in layouts.items()
+            if n == ranks
+        }
+        run_variants(tmp_path, ranks, variants, frozen)
+    states = {name: torch.load(tmp_path / f"{name}.pt") for name in layouts}
+    for name, (ranks, _) in layouts.items():
+        metrics = read_metrics(tmp_path / f"{name}.jsonl")
+        assert [r["world_size"] for r in metrics if r["event"] == "summary"] == [ranks], name
     keys = set(states["single"])
     assert keys == {
         "fc.0.weight",
