@@ -10,7 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import GPT_TINY, TINY, assert_close_lists, cli_env, read_metrics, train
+from conftest import (
+    GPT_TINY,
+    TINY,
+    Run,
+    assert_close_lists,
+    cli_env,
+    read_metrics,
+    run_variants,
+    train,
+)
 
 PARITY = [
     *TINY,
@@ -45,13 +54,27 @@ def reference(tmp_path_factory):
     }
 
 
+@pytest.fixture(scope="module")
+def parallel(tmp_path_factory):
+    """The run of a model on a mesh of MESHES (run once per module, on first use)."""
+    runs = {}
+
+    def get(model: str, mesh: str):
+        if (model, mesh) not in runs:
+            out = tmp_path_factory.mktemp(f"{model}-{mesh}")
+            runs[model, mesh] = train(out, *MODELS[model], *PARITY, *MESHES[mesh])
+        return runs[model, mesh]
+
+    return get
+
+
 @pytest.mark.parametrize(
     ("model", "mesh"),
     [(m, mesh) for m in sorted(MODELS) for mesh in ("fsdp2x2", "hsdp2x2")]
     + [("mlp", "fsdp2x2-layer")],
 )
-def test_loss_per_step_matches_single_process(tmp_path, reference, model, mesh):
-    run = train(tmp_path, *MODELS[model], *PARITY, *MESHES[mesh])
+def test_loss_per_step_matches_single_process(parallel, reference, model, mesh):
+    run = parallel(model, mesh)
     ref = reference[model]
     assert len(run.step_losses) == 20
     assert_close_lists(run.step_losses, ref.step_losses, 1e-5)
@@ -107,16 +130,23 @@ def test_initial_full_weights_identical_for_every_mesh(tmp_path):
         "--max-steps",
         "1",
     ]
-    layouts = {
-        "single": ["--strategy", "single"],
-        "fsdp2-2": ["--nproc-per-node", "2"],
-        "fsdp2-4": ["--nproc-per-node", "4"],
-        "hsdp-2x2": ["--nproc-per-node", "4", "--dp-replicate", "2"],
+    layouts = {  # name: (ranks, flags); a world size's layouts in the same ranks (run_variants)
+        "single": (1, ["--strategy", "single"]),
+        "fsdp2-2": (2, []),
+        "fsdp2-4": (4, []),
+        "hsdp-2x2": (4, ["--dp-replicate", "2"]),
     }
-    states = {}
-    for name, layout in layouts.items():
-        train(tmp_path, *frozen, *layout, "--save-model", str(tmp_path / f"{name}.pt"), name=name)
-        states[name] = torch.load(tmp_path / f"{name}.pt")
+    for ranks in (1, 2, 4):
+        variants = {
+            name: {"flags": [*flags, "--save-model", str(tmp_path / f"{name}.pt")]}
+            for name, (n, flags) in layouts.items()
+            if n == ranks
+        }
+        run_variants(tmp_path, ranks, variants, frozen)
+    states = {name: torch.load(tmp_path / f"{name}.pt") for name in layouts}
+    for name, (ranks, _) in layouts.items():
+        metrics = read_metrics(tmp_path / f"{name}.jsonl")
+        assert [r["world_size"] for r in metrics if r["event"] == "summary"] == [ranks], name
     keys = set(states["single"])
     assert keys == {
         "fc.0.weight",
@@ -164,30 +194,22 @@ def test_bf16_trains(tmp_path):
     assert run.summary["final_test_accuracy"] > 0.9
 
 
-def test_cpu_offload_matches_on_device_training(tmp_path):
-    flags = ["--model", "mlp", *PARITY, "--nproc-per-node", "2"]
-    offloaded = train(tmp_path, *flags, "--cpu-offload", name="offload")
-    plain = train(tmp_path, *flags, name="plain")
+def test_cpu_offload_matches_on_device_training(tmp_path, parallel):
+    plain = parallel("mlp", "fsdp2x2")
+    offloaded = train(tmp_path, *MODELS["mlp"], *PARITY, *MESHES["fsdp2x2"], "--cpu-offload")
     assert_close_lists(offloaded.step_losses, plain.step_losses, 1e-5)
     assert offloaded.step_losses[-1] < offloaded.step_losses[0]
 
 
 def test_grad_accumulation_equals_larger_batch(tmp_path):
-    flags = [
-        "--model",
-        "mlp",
-        *TINY,
-        "--max-steps",
-        "12",
-        "--log-every-steps",
-        "1",
-        "--nproc-per-node",
-        "2",
-    ]
-    accumulated = train(
-        tmp_path, *flags, "--batch-size", "4", "--grad-accum-steps", "4", name="accum"
-    )
-    large = train(tmp_path, *flags, "--batch-size", "16", name="large")
+    flags = ["--model", "mlp", *TINY, "--max-steps", "12", "--log-every-steps", "1"]
+    variants = {  # one after another in the same 2 ranks
+        "accum": {"flags": ["--batch-size", "4", "--grad-accum-steps", "4"]},
+        "large": {"flags": ["--batch-size", "16"]},
+    }
+    run_variants(tmp_path, 2, variants, flags)
+    accumulated, large = (Run(0, "", "", read_metrics(tmp_path / f"{n}.jsonl")) for n in variants)
+    assert accumulated.summary["world_size"] == large.summary["world_size"] == 2
     assert accumulated.summary["global_batch_size"] == large.summary["global_batch_size"] == 32
     assert_close_lists(accumulated.step_losses, large.step_losses, 1e-5)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import GPT_TINY, TINY, assert_close_lists, train
+from conftest import GPT_TINY, TINY, assert_close_lists, read_metrics, run_variants
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.parallel.fsdp2 import reduces_every_micro_batch
 from fsdp2lab.plan import resolve
@@ -28,14 +28,22 @@ def test_auto_reduces_every_micro_batch_where_sharded():
     ],
 )
 def test_every_equals_last_and_a_larger_batch(tmp_path, ranks, mesh):
-    flags = [*GPT_TINY, *TINY, *STEPS, "--nproc-per-node", str(ranks), *mesh]
-    accum = [*flags, "--batch-size", "2", "--grad-accum-steps", "4"]
-    every = train(tmp_path, *accum, "--grad-accum-reduce", "every", name="every")
-    last = train(tmp_path, *accum, "--grad-accum-reduce", "last", name="last")
-    large = train(tmp_path, *flags, "--batch-size", "8", name="large")
-    assert len(every.step_losses) == 16
-    assert_close_lists(every.step_losses, last.step_losses, 1e-5)
-    assert_close_lists(every.step_losses, large.step_losses, 1e-5)
+    """The three runs one after another in the same ranks (tests/scripts/resume_matrix.py)."""
+    accum = ["--batch-size", "2", "--grad-accum-steps", "4"]
+    variants = {
+        "every": {"flags": [*accum, "--grad-accum-reduce", "every"]},
+        "last": {"flags": [*accum, "--grad-accum-reduce", "last"]},
+        "large": {"flags": ["--batch-size", "8"]},
+    }
+    run_variants(tmp_path, ranks, variants, [*GPT_TINY, *TINY, *STEPS, *mesh])
+    runs = {name: read_metrics(tmp_path / f"{name}.jsonl") for name in variants}
+    for metrics in runs.values():
+        (summary,) = [r for r in metrics if r["event"] == "summary"]
+        assert summary["world_size"] == ranks
+    every, last, large = ([r["loss"] for r in m if r["event"] == "step"] for m in runs.values())
+    assert len(every) == 16
+    assert_close_lists(every, last, 1e-5)
+    assert_close_lists(every, large, 1e-5)
 
 
 def test_plan_shows_what_reducing_every_micro_batch_saves():

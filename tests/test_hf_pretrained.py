@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_close_lists, run_cli, train
+from conftest import assert_close_lists, read_metrics, run_cli, run_variants, train
 from fsdp2lab import cli
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.data import synthetic
@@ -74,37 +74,43 @@ def folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize(
-    ("model", "ranks", "flags"),
-    [
-        ("llama", 1, ["--strategy", "single"]),
-        ("llama", 2, ["--fsdp-units", "layer"]),
-        ("llama", 4, ["--fsdp-units", "layer", "--dp-replicate", "2"]),
-        ("qwen2", 2, ["--fsdp-units", "layer"]),
-        ("qwen2", 2, ["--fsdp-units", "layer", "--mixed-precision", "bf16"]),
-        ("qwen2", 2, ["--tp", "2"]),
-        ("qwen2", 4, ["--tp", "2", "--fsdp-units", "layer"]),
-        ("llama-untied", 2, ["--pp", "2"]),
-        ("qwen2", 4, ["--pp", "2", "--tp", "2"]),
-    ],
-    ids=[
-        "llama-single",
-        "llama-fsdp2-2",
-        "llama-hsdp-2x2",
-        "qwen2-bf16-fsdp2-2",
-        "qwen2-bf16-fsdp2-2-mixed-precision-bf16",
-        "qwen2-tp2",
-        "qwen2-fsdp2-tp-2x2",
-        "llama-untied-pp2",
-        "qwen2-pp-tp-2x2",
-    ],  # fmt: skip
-)
-def test_max_steps_0_saves_the_folders_tensors_bit_for_bit(folders, tmp_path, model, ranks, flags):
-    out = tmp_path / "out.pt"
-    run = train(tmp_path, "--model", f"hf:{folders[model]}", "--nproc-per-node", str(ranks),
-                "--max-steps", "0", "--save-model", str(out), *flags, *COMMON)  # fmt: skip
-    assert run.summary["steps"] == 0
-    saved = torch.load(out, weights_only=True)
+# id -> (folder, ranks, flags) of the layouts a folder is loaded into.
+LAYOUTS = {
+    "llama-single": ("llama", 1, ["--strategy", "single"]),
+    "llama-fsdp2-2": ("llama", 2, ["--fsdp-units", "layer"]),
+    "llama-hsdp-2x2": ("llama", 4, ["--fsdp-units", "layer", "--dp-replicate", "2"]),
+    "qwen2-bf16-fsdp2-2": ("qwen2", 2, ["--fsdp-units", "layer"]),
+    "qwen2-bf16-fsdp2-2-mixed-precision-bf16": ("qwen2", 2, ["--fsdp-units", "layer",
+                                                             "--mixed-precision", "bf16"]),
+    "qwen2-tp2": ("qwen2", 2, ["--tp", "2"]),
+    "qwen2-fsdp2-tp-2x2": ("qwen2", 4, ["--tp", "2", "--fsdp-units", "layer"]),
+    "llama-untied-pp2": ("llama-untied", 2, ["--pp", "2"]),
+    "qwen2-pp-tp-2x2": ("qwen2", 4, ["--pp", "2", "--tp", "2"]),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def loaded(folders, tmp_path_factory) -> Path:
+    """Every layout's ``--max-steps 0 --save-model OUT/<id>.pt`` (metrics: OUT/<id>.jsonl), the
+    layouts of a world size one after another in the same ranks (tests/scripts/resume_matrix.py)."""
+    out = tmp_path_factory.mktemp("loaded")
+    for ranks in sorted({ranks for _, ranks, _ in LAYOUTS.values()}):
+        variants = {
+            name: {"flags": ["--model", f"hf:{folders[model]}", *flags,
+                             "--save-model", str(out / f"{name}.pt")]}
+            for name, (model, n, flags) in LAYOUTS.items()
+            if n == ranks
+        }  # fmt: skip
+        run_variants(out, ranks, variants, ["--max-steps", "0", *COMMON])
+    return out
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_max_steps_0_saves_the_folders_tensors_bit_for_bit(folders, loaded, name):
+    model, ranks, _ = LAYOUTS[name]
+    (summary,) = [r for r in read_metrics(loaded / f"{name}.jsonl") if r["event"] == "summary"]
+    assert summary["steps"] == 0 and summary["world_size"] == ranks
+    saved = torch.load(loaded / f"{name}.pt", weights_only=True)
     expected = folder_tensors(folders[model])
     assert set(expected) <= set(saved), sorted(set(expected) - set(saved))
     for key, tensor in expected.items():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import GPT_TINY, TINY, assert_close_lists, train
+from conftest import GPT_TINY, TINY, Run, assert_close_lists, read_metrics, run_variants, train
 from fsdp2lab.cli import build_parser
 from fsdp2lab.config import config_from_args
 from fsdp2lab.models import get_spec
@@ -88,24 +88,27 @@ def assert_state_bytes(got, model: str, tp: int = 1, dp: int = 1) -> None:
 @pytest.mark.compat
 def test_tp_gpt_parity_memory_and_checkpoints_across_tp_and_fsdp(tmp_path, reference):
     ref = reference("gpt")
-    ckpt = ["--ckpt-dir", "tp", "--ckpt-every-steps", "10"]
-    tp = run(tmp_path, "gpt", "--nproc-per-node", "2", "--tp", "2", *ckpt, name="tp")
+    # TP checkpoint (step 10) -> FSDP-only run to step 15 -> TP run to step 20: the same losses.
+    # The three runs one after another in the same 2 ranks (run_variants).
+    tp_dir, fsdp_dir = str(tmp_path / "tp"), str(tmp_path / "fsdp")
+    variants = {
+        "tp": {"flags": ["--tp", "2", "--ckpt-dir", tp_dir, "--ckpt-every-steps", "10"]},
+        "fsdp": {"flags": ["--max-steps", "15", "--resume", f"{tp_dir}/step-10",
+                           "--ckpt-dir", fsdp_dir, "--ckpt-every-steps", "5"]},
+        "back": {"flags": ["--tp", "2", "--resume", fsdp_dir]},
+    }  # fmt: skip
+    run_variants(tmp_path, 2, variants, [*MODEL_FLAGS["gpt"], *FAST])
+    tp, fsdp, back = (Run(0, "", "", read_metrics(tmp_path / f"{n}.jsonl")) for n in variants)
     assert_parity(tp, ref)
     s = tp.summary
     assert s["label"] == "tp2" and s["mesh"] == {"shape": [1, 2], "names": ["dp_shard", "tp"]}
     params, tensors, replicated = sizes("gpt")
     per_rank = 16 * ((params - replicated) // 2 + replicated) + 4 * tensors
     assert s["sharded_state_bytes"] == [per_rank, per_rank]
-
-    # TP checkpoint (step 10) -> FSDP-only run to step 15 -> TP run to step 20: the same losses.
-    fsdp = run(tmp_path, "gpt", "--nproc-per-node", "2", "--max-steps", "15",
-               "--resume", "tp/step-10", "--ckpt-dir", "fsdp", "--ckpt-every-steps", "5",
-               name="fsdp")  # fmt: skip
+    assert fsdp.summary["mesh"] == {"shape": [2], "names": ["dp_shard"]}
     assert_parity(fsdp, ref, first_step=10)
-    back = run(
-        tmp_path, "gpt", "--nproc-per-node", "2", "--tp", "2", "--resume", "fsdp", name="back"
-    )
     assert_parity(back, ref, first_step=15)
+    assert back.summary["label"] == "tp2"
 
 
 def test_2d_fsdp_tp_gpt_four_ranks(tmp_path, reference):
