@@ -14,8 +14,8 @@ both outside FSDP2's ranges (``FSDP::...``: its gathered parameters and buffers)
 A block whose free the profiler did not record counts as freed when the allocator hands its
 address out again. Each wait of a collective (FSDP2's ``Work.wait``, DTensor's functional ones) is
 followed by a short pause, so that gloo's threads let go of its tensors at the same point of the
-step, run after run. Rank 0 prints one JSON
-line: ``{"k": {"by_category": {"activations": ..., "temporaries": ...}}, ...}``.
+step, run after run. Rank 0 prints one JSON line: ``{"k": {"by_category": {"activations": ...,
+"temporaries": ...}}, ...}``.
 
 ``--loss-chunk-bytes B`` (first) sets the loss's chunk (``training.loss.CHUNK_BYTES``): a tiny
 model's logits then span many chunks, as a real model's do (a 128,256-token vocabulary's 64 MiB
