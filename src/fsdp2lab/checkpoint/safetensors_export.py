@@ -314,10 +314,16 @@ def _check_out_folder(out: Path, ckpt: layout.Checkpoint, run: dict) -> None:
     """A UsageError, before anything is written, when ``out`` is a folder the export must not
     replace: the checkpoint's, the model or tokenizer folder the run read, or one holding other
     files than an earlier export's."""
-    target = out.resolve()
-    if target == ckpt.path.resolve().parent:
+    if out.resolve() == ckpt.path.resolve().parent:
         raise UsageError(f"export to {out} refused: it is the checkpoint's folder; give a new one")
-    mine = {ckpt.path.resolve(): "the checkpoint"}
+    check_out_folder(out, run, {ckpt.path.resolve(): "the checkpoint"})
+
+
+def check_out_folder(out: Path, run: dict, mine: dict[Path, str]) -> None:
+    """A UsageError when ``out`` is, or is inside, one of ``mine`` (folder: what it is) or a
+    folder the run read (its model, its tokenizer), or holds other files than an export's."""
+    target = out.resolve()
+    mine = dict(mine)
     for entry in (run.get("companions") or {}).values():
         if isinstance(entry, dict) and entry.get("folder"):
             mine[Path(str(entry["folder"])).resolve()] = "the folder the run read its files from"
@@ -326,6 +332,8 @@ def _check_out_folder(out: Path, ckpt: layout.Checkpoint, run: dict) -> None:
     for folder, what in mine.items():
         if target == folder or folder in target.parents:
             raise UsageError(f"export to {out} refused: it is {what} ({folder}); give a new folder")
+    if target.exists() and not target.is_dir():
+        raise UsageError(f"{out} exists and is not a folder")
     if target.is_dir():
         others = sorted(p.name for p in target.iterdir() if not _export_file(p.name))
         if others:
@@ -457,11 +465,14 @@ def _write_folder(
     return files, total
 
 
-def companion_sources(run: dict) -> list[tuple[Path, str]]:
+def companion_sources(
+    run: dict, changed: Callable[[Path], None] | None = None
+) -> list[tuple[Path, str]]:
     """Beside the weights, what ``from_pretrained`` and generation read from a model folder (the
     tokenizer's files, ``generation_config.json``): the files the run recorded
     (``state.companion_files``), each from its recorded folder and checked against its recorded
-    sha256 (a UsageError if it changed). A file no longer there is skipped."""
+    sha256 (if it changed: ``changed(file)`` and skipped, without ``changed`` a UsageError). A
+    file no longer there is skipped."""
     found = []
     for name, entry in sorted((run.get("companions") or {}).items()):
         if name not in (GENERATION_FILE, *TOKENIZER_FILES, *TOKENIZER_EXTRAS):
@@ -472,6 +483,9 @@ def companion_sources(run: dict) -> list[tuple[Path, str]]:
         if not file.is_file():
             continue
         if hashlib.sha256(file.read_bytes()).hexdigest() != entry.get("sha256"):
+            if changed is not None:
+                changed(file)
+                continue
             raise UsageError(
                 f"{file} changed since the run that saved this checkpoint read it (its sha256 "
                 "differs from the one recorded): not copied beside the weights; export to "

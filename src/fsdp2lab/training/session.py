@@ -63,6 +63,12 @@ def _train(plan: RunPlan, runtime: Runtime, watchdog: Watchdog) -> dict:
     checkpoints = CheckpointManager.from_config(cfg, runtime)  # None without checkpointing
     preemption = Preemption(runtime, checkpoints)  # USR1/TERM: checkpoint, requeue, stop
     hooks = [NanGuard(runtime, cfg.on_nan), watchdog, *([checkpoints] if checkpoints else [])]
+    save_hf = None
+    if cfg.save_hf:
+        from fsdp2lab.training.hf_saving import SaveHF
+
+        save_hf = SaveHF(cfg, runtime)
+        hooks.append(save_hf)
     if fault_drills.wanted():  # tests/test_faults.py: faults injected on purpose
         hooks.append(fault_drills.FaultDrills(runtime.rank))
     # Observers after the checkpoint hook (they see the resumed state), preemption last.
@@ -75,6 +81,8 @@ def _train(plan: RunPlan, runtime: Runtime, watchdog: Watchdog) -> dict:
         raise
     if checkpoints:
         checkpoints.close()  # waits for a background save
+    if save_hf:
+        save_hf.check()
     if cfg.save_model and not preemption.stopped:  # a preempted run saves when it finishes
         from fsdp2lab.checkpoint.export import save_full_model
 

@@ -1,0 +1,140 @@
+"""A Hugging Face model folder written from every rank (``train --save-hf DIR``), no gather.
+
+Every rank hands its own shards of the model's tensors to DCP's ``HuggingFaceStorageWriter``,
+in files of groups of tensors no bigger together than the largest one (each rank serialises its
+part of one group at a time); rank 0 then joins them into whole-tensor files, one tensor at a
+time, in the ``save_pretrained`` layout (``model.safetensors``, or ``model-0000K-of-0000N.safetensors`` and
+their index above ``max_shard_size``). Beside them: ``config.json`` (tied weights are stored once:
+``from_pretrained`` ties them again) and the tokenizer's files and ``generation_config.json`` the
+run read, each only while its sha256 is the one recorded at the start of the run (a file that
+changed is left out, with a warning). The folder is written whole under a temporary name and
+renamed into place; the folders the run read and a folder holding anything but an export's
+files are refused.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from fsdp2lab.checkpoint import layout
+from fsdp2lab.checkpoint.safetensors_export import (
+    CONFIG_FILE,
+    DEFAULT_MAX_SHARD_SIZE,
+    INDEX_FILE,
+    SINGLE_FILE,
+    Entry,
+    _hf_model_info,
+    _put_in_place,
+    check_out_folder,
+    companion_sources,
+    plan_shards,
+)
+from fsdp2lab.runtime import logs
+from fsdp2lab.runtime.distributed import on_rank0
+from fsdp2lab.runtime.torch_compat import hf_consolidate, hf_shard_writer
+
+log = logs.get_logger(__name__)
+SHARDS = "sharded"  # the writer's per-rank files, inside the temporary folder
+
+
+def _entries(state: dict[str, torch.Tensor], group) -> list[Entry]:
+    """Every rank's tensors (global shapes), in model order: a pipeline stage holds some."""
+    mine = [(name, tuple(t.shape), t.dtype) for name, t in state.items()]
+    parts: list = [mine]
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        parts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, mine, group=group)
+    seen: dict[str, Entry] = {}
+    for part in parts:
+        for name, shape, dtype in part:
+            seen.setdefault(name, Entry(name, name, shape, dtype))
+    return list(seen.values())
+
+
+def save_hf(
+    model: nn.Module,
+    out: str | os.PathLike,
+    run: dict,
+    group=None,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+) -> list[Path]:
+    """Write ``model`` (parallelised, on every rank: a collective over ``group``) as a
+    ``from_pretrained`` folder ``out``. ``run``: the run's ``hf_config``, ``hf_source`` and
+    ``companions`` (``checkpoint.state.run_info``). Returns the files written (rank 0)."""
+    out = Path(out)
+    state = get_model_state_dict(model, options=StateDictOptions())  # each rank's shards
+    entries = _entries(state, group)
+    config, tied = _hf_model_info(run["hf_config"], entries)
+    kept = [e for e in entries if e.name not in tied]
+    shards = plan_shards(kept, max_shard_size)
+    fqn_to_index = {e.name: i for i, shard in enumerate(shards, 1) for e in shard}
+    # Each rank writes a file per group of tensors no bigger than the largest: it serialises its
+    # part of one group at a time.
+    largest = max(e.nbytes for e in kept)
+    pieces = {e.name: i for i, group in enumerate(plan_shards(kept, largest), 1) for e in group}
+    own = {name: t for name, t in state.items() if name in fqn_to_index}
+
+    def begin() -> Path | str:
+        check_out_folder(out, run, {})
+        tmp = layout.temporary_name(out)
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            return f"{e.strerror or e}: {tmp}"
+        return tmp
+
+    tmp = on_rank0(begin)
+    if isinstance(tmp, str):
+        raise OSError(tmp)
+    try:
+        writer = hf_shard_writer(str(tmp / SHARDS), pieces)
+        dcp.save(own, storage_writer=writer, process_group=group)
+        done = on_rank0(lambda: _finish(tmp, out, fqn_to_index, config, run))
+    finally:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone once renamed into place
+    if isinstance(done, str):
+        raise OSError(done)
+    return done
+
+
+def _finish(tmp: Path, out: Path, fqn_to_index: dict, config, run: dict) -> list[Path] | str:
+    """Rank 0, once every rank has written its shards: join them into whole tensors, the
+    single-file name, ``config.json``, the companion files, then the rename into place. The
+    files, or why it failed."""
+    try:
+        hf_consolidate(str(tmp / SHARDS), str(tmp), fqn_to_index)
+        return _complete(tmp, out, config, run, max(fqn_to_index.values()))
+    except OSError as e:
+        return f"{e.strerror or e}: {e.filename or out}"
+    except Exception as e:  # torch's joining: every rank must hear of it, not rank 0 alone
+        return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _complete(tmp: Path, out: Path, config, run: dict, n_files: int) -> list[Path]:
+    shutil.rmtree(tmp / SHARDS)
+    if n_files == 1:
+        os.replace(tmp / "model-00001-of-00001.safetensors", tmp / SINGLE_FILE)
+        (tmp / INDEX_FILE).unlink()
+    layout._write_atomic(tmp / CONFIG_FILE, config.to_json_string())
+
+    def changed(file: Path) -> None:
+        log.warning(
+            f"fsdp2lab: warning: --save-hf: {file} changed since the run read it (its sha256 "
+            f"differs): not copied to {out}"
+        )
+
+    for source, name in companion_sources(run, changed):
+        shutil.copyfile(source, tmp / name)
+    names = sorted(p.name for p in tmp.iterdir())
+    _put_in_place(tmp, out)
+    return [out / name for name in names]
