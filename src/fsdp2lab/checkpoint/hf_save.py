@@ -29,20 +29,20 @@ from fsdp2lab.checkpoint.safetensors_export import (
     CONFIG_FILE,
     DEFAULT_MAX_SHARD_SIZE,
     INDEX_FILE,
-    SINGLE_FILE,
+    SHARDS,
     Entry,
     _hf_model_info,
     _put_in_place,
     check_out_folder,
     companion_sources,
     plan_shards,
+    single_file,
 )
 from fsdp2lab.runtime import logs
 from fsdp2lab.runtime.distributed import on_rank0
 from fsdp2lab.runtime.torch_compat import hf_consolidate, hf_shard_writer
 
 log = logs.get_logger(__name__)
-SHARDS = "sharded"  # the writer's per-rank files, inside the temporary folder
 
 
 def _entries(state: dict[str, torch.Tensor], group) -> list[Entry]:
@@ -113,18 +113,16 @@ def _finish(tmp: Path, out: Path, fqn_to_index: dict, config, run: dict) -> list
     files, or why it failed."""
     try:
         hf_consolidate(str(tmp / SHARDS), str(tmp), fqn_to_index)
-        return _complete(tmp, out, config, run, max(fqn_to_index.values()))
+        return _complete(tmp, out, config, run)
     except OSError as e:
         return f"{e.strerror or e}: {e.filename or out}"
     except Exception as e:  # torch's joining: every rank must hear of it, not rank 0 alone
         return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
-def _complete(tmp: Path, out: Path, config, run: dict, n_files: int) -> list[Path]:
+def _complete(tmp: Path, out: Path, config, run: dict) -> list[Path]:
     shutil.rmtree(tmp / SHARDS)
-    if n_files == 1:
-        os.replace(tmp / "model-00001-of-00001.safetensors", tmp / SINGLE_FILE)
-        (tmp / INDEX_FILE).unlink()
+    single_file(sorted(tmp.glob("model-*-of-*.safetensors")) + [tmp / INDEX_FILE])
     layout._write_atomic(tmp / CONFIG_FILE, config.to_json_string())
 
     def changed(file: Path) -> None:

@@ -54,7 +54,9 @@ DCP HuggingFaceStorageWriter, each rank  -        ``save_distributed`` (``hf_sha
 its shards; consolidated by a mapping              and private ``_consolidate_hf_safetensors.
                                                    consolidate_safetensors_files(fqn_to_index_
                                                    mapping=)`` (``hf_consolidate``); without
-                                                   them ``--save-hf`` is refused
+                                                   them ``--save-hf`` is refused and ``ckpt
+                                                   export`` writes whole files, one at a time
+                                                   (also for tensors that are not floating point)
 torchdata StatefulDataLoader              0.8      its first release; 0.11 (tested) needs torch>=2
 DCP .metadata read without running code  -        ``FileSystemReader.read_metadata`` is a plain
                                                    ``pickle.load`` (2.8: no ``rank``, no private
@@ -281,6 +283,17 @@ def hf_sharded_save_missing() -> str | None:
     if _hf_consolidate() is None:
         return "this torch cannot consolidate safetensors shards by a tensor-to-file mapping"
     return None
+
+
+def hf_consolidation_missing(dtypes) -> str | None:
+    """None where :func:`hf_consolidate` joins tensors of these ``dtypes``; else why not (it
+    sizes elements with ``torch.finfo``: floating point only)."""
+    missing = hf_sharded_save_missing()
+    if missing is None:
+        others = sorted({str(d).removeprefix("torch.") for d in dtypes if not d.is_floating_point})
+        if others:
+            missing = f"torch's safetensors consolidation takes floating point only, not {', '.join(others)}"
+    return missing
 
 
 def hf_shard_writer(path: str, fqn_to_index: dict[str, int]) -> Any:
