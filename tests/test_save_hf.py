@@ -133,6 +133,26 @@ def test_two_ranks_save_a_folder_from_pretrained_loads_with_the_trained_logits(l
         assert peak < total, (rank, peak, total)
 
 
+@pytest.mark.parametrize("flags", [["--tp", "2"], ["--pp", "2"]], ids=["tp2", "pp2"])
+def test_tensor_and_pipeline_parallel_runs_save_what_save_model_gathers(tmp_path, flags):
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "untied")
+    out = tmp_path / "out"
+    train(tmp_path, "--model", f"hf:{tmp_path / 'untied'}", "--nproc-per-node", "2", *flags,
+          "--max-steps", "2", "--save-hf", str(out), "--save-model", str(tmp_path / "final.pt"),
+          *COMMON)  # fmt: skip
+    saved, gathered = load_file(out / "model.safetensors"), torch.load(tmp_path / "final.pt")
+    assert saved.keys() == gathered.keys()
+    assert all(torch.equal(saved[k], gathered[k]) for k in saved)
+
+
 def test_every_n_steps_replaces_the_folder_and_sharded_output_has_an_index(llama, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
