@@ -153,6 +153,37 @@ def test_tensor_and_pipeline_parallel_runs_save_what_save_model_gathers(tmp_path
     assert all(torch.equal(saved[k], gathered[k]) for k in saved)
 
 
+def test_a_lora_run_saves_the_peft_adapter_folder_ckpt_export_writes(llama, tmp_path):
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    out, ckpt, exported = tmp_path / "adapter", tmp_path / "ckpt", tmp_path / "exported"
+    train(tmp_path, "--model", f"hf:{llama}", "--lora-rank", "4", "--lora-alpha", "8",
+          "--nproc-per-node", "2", "--max-steps", "3", "--save-hf", str(out),
+          "--ckpt-dir", str(ckpt), *COMMON[:-2], "--lr", "1e-2")  # fmt: skip
+    from fsdp2lab import cli
+
+    assert cli.main(["ckpt", "export", str(ckpt), str(exported)]) == 0  # PEFT's save_pretrained
+    names = ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == names
+    saved, reference = (load_file(f / names[1]) for f in (out, exported))
+    assert saved.keys() == reference.keys() and len(saved) == 6 * 7 * 2
+    assert all(torch.equal(saved[k], reference[k]) for k in saved)
+    config, expected = (json.loads((f / names[0]).read_text()) for f in (out, exported))
+    assert set(config.pop("target_modules")) == set(expected.pop("target_modules"))
+    assert config == expected
+    base = transformers.AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
+    x = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = base(x).logits
+        got = peft.PeftModel.from_pretrained(base, out)(x).logits
+    assert (got - before).abs().max() > 1e-4  # trained adapters, not the base alone
+    base = transformers.AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = peft.PeftModel.from_pretrained(base, exported)(x).logits
+    assert (got - want).abs().max().item() <= 1e-6
+
+
 def test_every_n_steps_replaces_the_folder_and_sharded_output_has_an_index(llama, tmp_path):
     out = tmp_path / "out"
     out.mkdir()

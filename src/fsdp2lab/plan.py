@@ -170,11 +170,6 @@ def _check_save_hf(cfg: TrainConfig, model: nn.Module) -> None:
             f"--save-hf writes a Hugging Face folder: model {cfg.model!r} has no Hugging Face "
             "config (use --model hf:PATH, or --save-model)"
         )
-    if cfg.lora_rank is not None:
-        raise UsageError(
-            "--save-hf with --lora-rank: save with --ckpt-dir, then `fsdp2lab ckpt export` the "
-            "adapter (or the merged model)"
-        )
     missing = hf_sharded_save_missing()
     if missing:
         raise UsageError(f"--save-hf: {missing}; use --ckpt-dir, then `fsdp2lab ckpt export`")

@@ -3,17 +3,19 @@
 Every rank hands its own shards of the model's tensors to DCP's ``HuggingFaceStorageWriter``,
 in files of groups of tensors no bigger together than the largest one (each rank serialises its
 part of one group at a time); rank 0 then joins them into whole-tensor files, one tensor at a
-time, in the ``save_pretrained`` layout (``model.safetensors``, or ``model-0000K-of-0000N.safetensors`` and
-their index above ``max_shard_size``). Beside them: ``config.json`` (tied weights are stored once:
+time, in the ``save_pretrained`` layout (``model.safetensors``, or
+``model-0000K-of-0000N.safetensors`` and their index above ``max_shard_size``). Beside them: ``config.json`` (tied weights are stored once:
 ``from_pretrained`` ties them again) and the tokenizer's files and ``generation_config.json`` the
 run read, each only while its sha256 is the one recorded at the start of the run (a file that
-changed is left out, with a warning). The folder is written whole under a temporary name and
-renamed into place; the folders the run read and a folder holding anything but an export's
-files are refused.
+changed is left out, with a warning). A LoRA run's folder is its PEFT adapter folder instead
+(``adapter_config.json``, ``adapter_model.safetensors``: what ``ckpt export`` writes). The folder
+is written whole under a temporary name and renamed into place; the folders the run read and a
+folder holding anything but an export's files are refused.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 from pathlib import Path
@@ -26,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from fsdp2lab.checkpoint import layout
 from fsdp2lab.checkpoint.safetensors_export import (
+    ADAPTER_FILES,
     CONFIG_FILE,
     DEFAULT_MAX_SHARD_SIZE,
     INDEX_FILE,
@@ -71,9 +74,14 @@ def save_hf(
     ``companions`` (``checkpoint.state.run_info``). Returns the files written (rank 0)."""
     out = Path(out)
     state = get_model_state_dict(model, options=StateDictOptions())  # each rank's shards
+    adapter = (run.get("config") or {}).get("lora_rank") is not None
+    if adapter:  # the adapters alone, under PEFT's names
+        config, names = _peft_names(run)
+        state = {names[k]: v for k, v in state.items() if k in names}
     entries = _entries(state, group)
-    config, tied = _hf_model_info(run["hf_config"], entries)
-    kept = [e for e in entries if e.name not in tied]
+    if not adapter:
+        config, tied = _hf_model_info(run["hf_config"], entries)
+    kept = [e for e in entries if adapter or e.name not in tied]
     shards = plan_shards(kept, max_shard_size)
     fqn_to_index = {e.name: i for i, shard in enumerate(shards, 1) for e in shard}
     # Each rank writes a file per group of tensors no bigger than the largest: it serialises its
@@ -98,7 +106,7 @@ def save_hf(
     try:
         writer = hf_shard_writer(str(tmp / SHARDS), pieces)
         dcp.save(own, storage_writer=writer, process_group=group)
-        done = on_rank0(lambda: _finish(tmp, out, fqn_to_index, config, run))
+        done = on_rank0(lambda: _finish(tmp, out, fqn_to_index, config, run, adapter))
     finally:
         if not dist.is_initialized() or dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # gone once renamed into place
@@ -107,12 +115,16 @@ def save_hf(
     return done
 
 
-def _finish(tmp: Path, out: Path, fqn_to_index: dict, config, run: dict) -> list[Path] | str:
+def _finish(
+    tmp: Path, out: Path, fqn_to_index: dict, config, run: dict, adapter: bool
+) -> list[Path] | str:
     """Rank 0, once every rank has written its shards: join them into whole tensors, the
     single-file name, ``config.json``, the companion files, then the rename into place. The
     files, or why it failed."""
     try:
         hf_consolidate(str(tmp / SHARDS), str(tmp), fqn_to_index)
+        if adapter:
+            return _complete_adapter(tmp, out, config)
         return _complete(tmp, out, config, run)
     except OSError as e:
         return f"{e.strerror or e}: {e.filename or out}"
@@ -133,6 +145,37 @@ def _complete(tmp: Path, out: Path, config, run: dict) -> list[Path]:
 
     for source, name in companion_sources(run, changed):
         shutil.copyfile(source, tmp / name)
+    names = sorted(p.name for p in tmp.iterdir())
+    _put_in_place(tmp, out)
+    return [out / name for name in names]
+
+
+def _peft_names(run: dict) -> tuple[object, dict[str, str]]:
+    """A LoRA run's PEFT adapter config (as ``PeftModel.save_pretrained`` writes it) and each
+    adapter's name in PEFT's file, by its name in the training model."""
+    from peft.utils import get_peft_model_state_dict
+
+    from fsdp2lab.checkpoint.lora_export import peft_model
+    from fsdp2lab.models.lora import is_adapter
+
+    _, model = peft_model(run)
+    in_peft = {id(p): n for n, p in model.named_parameters()}
+    mine = {
+        n: in_peft[id(p)] for n, p in model.get_base_model().named_parameters() if is_adapter(n)
+    }
+    marks = {peft: torch.empty(0) for peft in mine.values()}  # tell PEFT's renaming apart
+    renamed = get_peft_model_state_dict(model, state_dict=marks, save_embedding_layers=False)
+    file_name = {id(mark): name for name, mark in renamed.items()}
+    config = copy.deepcopy(model.peft_config["default"])
+    config.inference_mode = True
+    return config, {n: file_name[id(marks[peft])] for n, peft in mine.items()}
+
+
+def _complete_adapter(tmp: Path, out: Path, config) -> list[Path]:
+    shutil.rmtree(tmp / SHARDS)
+    (tmp / INDEX_FILE).unlink()
+    os.replace(tmp / "model-00001-of-00001.safetensors", tmp / ADAPTER_FILES[1])
+    config.save_pretrained(str(tmp))
     names = sorted(p.name for p in tmp.iterdir())
     _put_in_place(tmp, out)
     return [out / name for name in names]

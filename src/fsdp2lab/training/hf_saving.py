@@ -7,6 +7,7 @@ failed, the run ends with exit code 1. Weights that are not finite are never sav
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -36,6 +37,7 @@ class SaveHF(Hooks):
         self.run: dict = {}
         self.saved_step: int | None = None
         self.failed: str | None = None
+        self.what = "PEFT adapter" if cfg.lora_rank is not None else "Hugging Face model"
 
     def before_fit(self, trainer: Trainer) -> None:
         # The companion files' hashes as this run reads them: a file changed later is not copied.
@@ -44,6 +46,7 @@ class SaveHF(Hooks):
             "hf_config": ckpt_state.hf_config_of(trainer.plan.meta_model),
             "hf_source": source,
             "companions": ckpt_state.companion_files(source, trainer.cfg.tokenizer),
+            "config": dataclasses.asdict(trainer.cfg),  # a LoRA run's: its adapters' config
         }
         out, run = Path(self.out), self.run  # refused before training, not after it
         on_rank0(lambda: check_out_folder(out, run, {}))
@@ -87,6 +90,6 @@ class SaveHF(Hooks):
         if self.runtime.is_main:
             size = sum(f.stat().st_size for f in files)
             log.info(
-                f"fsdp2lab: Hugging Face model saved to {self.out} at step {step} "
+                f"fsdp2lab: {self.what} saved to {self.out} at step {step} "
                 f"({size / 1e6:.2f} MB, {time.perf_counter() - started:.2f}s)"
             )
