@@ -38,6 +38,7 @@ from fsdp2lab.checkpoint.safetensors_export import (
     _put_in_place,
     check_out_folder,
     companion_sources,
+    pieces,
     plan_shards,
     single_file,
 )
@@ -71,7 +72,8 @@ def save_hf(
 ) -> list[Path]:
     """Write ``model`` (parallelised, on every rank: a collective over ``group``) as a
     ``from_pretrained`` folder ``out``. ``run``: the run's ``hf_config``, ``hf_source`` and
-    ``companions`` (``checkpoint.state.run_info``). Returns the files written (rank 0)."""
+    ``companions`` (``checkpoint.state.run_info``); a LoRA run's also its ``config`` (the flags).
+    Returns the files written."""
     out = Path(out)
     state = get_model_state_dict(model, options=StateDictOptions())  # each rank's shards
     adapter = (run.get("config") or {}).get("lora_rank") is not None
@@ -79,15 +81,14 @@ def save_hf(
         config, names = _peft_names(run)
         state = {names[k]: v for k, v in state.items() if k in names}
     entries = _entries(state, group)
+    tied: dict[str, str] = {}
     if not adapter:
         config, tied = _hf_model_info(run["hf_config"], entries)
-    kept = [e for e in entries if adapter or e.name not in tied]
+    kept = [e for e in entries if e.name not in tied]
     shards = plan_shards(kept, max_shard_size)
     fqn_to_index = {e.name: i for i, shard in enumerate(shards, 1) for e in shard}
-    # Each rank writes a file per group of tensors no bigger than the largest: it serialises its
-    # part of one group at a time.
-    largest = max(e.nbytes for e in kept)
-    pieces = {e.name: i for i, group in enumerate(plan_shards(kept, largest), 1) for e in group}
+    # Each rank serialises its part of one piece at a time.
+    index_of = {e.name: i for i, part in enumerate(pieces(kept), 1) for e in part}
     own = {name: t for name, t in state.items() if name in fqn_to_index}
 
     def begin() -> Path | str:
@@ -104,7 +105,7 @@ def save_hf(
     if isinstance(tmp, str):
         raise OSError(tmp)
     try:
-        writer = hf_shard_writer(str(tmp / SHARDS), pieces)
+        writer = hf_shard_writer(str(tmp / SHARDS), index_of)
         dcp.save(own, storage_writer=writer, process_group=group)
         done = on_rank0(lambda: _finish(tmp, out, fqn_to_index, config, run, adapter))
     finally:

@@ -1,8 +1,9 @@
 """Export a DCP checkpoint's model as safetensors through DCP's Hugging Face storage.
 
 Each tensor is read from the checkpoint on its own (``dcp.load`` of that one key) and handed to
-DCP's ``HuggingFaceStorageWriter`` as a file of its own; torch's consolidation then joins them
-into the output files, one tensor at a time: the exporting process holds one tensor at a time.
+DCP's ``HuggingFaceStorageWriter`` in files of consecutive tensors no bigger together than the
+largest one; torch's consolidation then joins them into the output files, one tensor at a time:
+the exporting process holds at most the largest tensor's bytes at a time.
 Where torch's consolidation cannot (a tensor that is not floating point, or a torch without it:
 ``runtime.torch_compat.hf_consolidation_missing``, said in one line) each output file is written
 whole by the writer: the process holds one output file's tensors at a time.
@@ -146,6 +147,12 @@ def _dcp_write(state: dict[str, torch.Tensor], writer) -> None:
         dcp.save(state, storage_writer=writer, no_dist=True)
 
 
+def pieces(entries: list[Entry]) -> list[list[Entry]]:
+    """The files DCP's writer gets before they are joined: consecutive groups of tensors no
+    bigger together than the largest (fewer files than one a tensor, as little memory)."""
+    return plan_shards(entries, max(e.nbytes for e in entries))
+
+
 def write_weights(
     out: Path, shards: list[list[Entry]], load: Callable[[Entry], torch.Tensor]
 ) -> list[Path]:
@@ -155,10 +162,13 @@ def write_weights(
     entries = [e for shard in shards for e in shard]
     fqn_to_index = {e.name: k for k, shard in enumerate(shards, 1) for e in shard}
     missing = hf_consolidation_missing({e.dtype for e in entries})
-    if missing is None:  # one tensor at a time
-        pieces = {e.name: i for i, e in enumerate(entries, 1)}
-        for e in entries:
-            _dcp_write({e.name: _checked(e, load(e))}, hf_shard_writer(str(out / SHARDS), pieces))
+    if missing is None:  # at most the largest tensor's bytes at a time
+        parts = pieces(entries)
+        index_of = {e.name: i for i, part in enumerate(parts, 1) for e in part}
+        for part in parts:
+            state = {e.name: _checked(e, load(e)) for e in part}
+            _dcp_write(state, hf_shard_writer(str(out / SHARDS), index_of))
+            del state
         hf_consolidate(str(out / SHARDS), str(out), fqn_to_index)
         shutil.rmtree(out / SHARDS)
     else:  # one output file at a time
