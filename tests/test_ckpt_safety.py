@@ -254,15 +254,13 @@ def test_export_to_a_folder_is_atomic(tmp_path: Path, monkeypatch):
     st_export.export_safetensors(step, out, max_shard_size=200)
     first = {p.name: p.read_bytes() for p in out.iterdir()}
     assert len(first) == 3  # two shards and their index
-    real, calls = st_export.write_safetensors, []
+    real = st_export.hf_consolidate
 
-    def dies_on_the_second(path, *args, **kwargs):
-        calls.append(path)
-        if len(calls) == 2:
-            raise OSError(5, "Input/output error")
-        return real(path, *args, **kwargs)
+    def dies_half_way(shards, out, fqn_to_index):  # the first file written, then an I/O error
+        real(shards, out, {k: v for k, v in fqn_to_index.items() if v == 1})
+        raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(st_export, "write_safetensors", dies_on_the_second)
+    monkeypatch.setattr(st_export, "hf_consolidate", dies_half_way)
     with pytest.raises(OSError):
         st_export.export_safetensors(step, out, max_shard_size=100)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == first  # the earlier export, whole

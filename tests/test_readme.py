@@ -140,6 +140,10 @@ EXPECT: dict[str, tuple[list[str], list[str]]] = {
         [r"exported \d+ tensors \([\d,]+ bytes\) of ft-ckpt/step-2 to my-llama-ft"],
         ["my-llama-ft/config.json", "my-llama-ft/*.safetensors", "my-llama-ft/tokenizer.json",
          "my-llama-ft/generation_config.json"]),
+    "fsdp2lab train --model hf:my-llama --dataset tokens:corpus-tokens --tokenizer my-llama --seq-len 128 --nproc-per-node 2 --save-hf my-llama-hf": (
+        [r"on 2 rank\(s\)", TRAINED, r"fsdp2lab: Hugging Face model saved to my-llama-hf at step 2 \("],
+        ["my-llama-hf/config.json", "my-llama-hf/model.safetensors", "my-llama-hf/tokenizer.json",
+         "my-llama-hf/generation_config.json"]),
     "fsdp2lab train --model hf:my-llama --dataset tokens:corpus-tokens --tokenizer my-llama --seq-len 128 --nproc-per-node 2 --lora-rank 4 --lora-alpha 8 --ckpt-dir lora-ckpt": (
         [r"on 2 rank\(s\)", TRAINED, r"fsdp2lab: checkpoint saved: lora-ckpt/step-2 \("],
         ["lora-ckpt/step-2/COMPLETE"]),
@@ -297,7 +301,7 @@ def test_command_1_in_a_fresh_venv(tmp_path):
 def test_fine_tune_block_runs_as_written(workspace):
     """prepare, train, export on a small Llama (with its tokenizer) saved as my-llama, and a
     JSON-lines corpus.jsonl of 4,000 documents: each command's lines and files, and the export
-    loads in from_pretrained with its tokenizer."""
+    and the --save-hf folder load in from_pretrained with their tokenizer."""
     transformers = pytest.importorskip("transformers")
     import json
 
@@ -314,6 +318,11 @@ def test_fine_tune_block_runs_as_written(workspace):
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     assert type(model).__name__ == "LlamaForCausalLM" and tokenizer.eos_token == "<eos>"
+    from_every_rank = transformers.AutoModelForCausalLM.from_pretrained(workspace / "my-llama-hf")
+    assert from_every_rank.lm_head.weight is from_every_rank.model.embed_tokens.weight  # tied
+    assert (
+        transformers.AutoTokenizer.from_pretrained(workspace / "my-llama-hf").eos_token == "<eos>"
+    )
     peft = pytest.importorskip("peft")
     import torch
 

@@ -358,6 +358,27 @@ def test_hf_storage_reader_is_used_only_where_it_reads_slices(monkeypatch):
     assert torch_compat.hf_storage_reader() is None
 
 
+def test_hf_sharded_save_says_which_part_this_torch_lacks(monkeypatch):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import _consolidate_hf_safetensors as consolidation
+
+    assert torch_compat.hf_sharded_save_missing() is None  # this torch has both
+
+    class FullTensorsOnly:  # a writer without per-rank shards
+        def __init__(self, path, fqn_to_index_mapping=None): ...
+
+    def by_file_count(input_dir, output_dir, num_threads=1): ...
+
+    monkeypatch.setattr(consolidation, "consolidate_safetensors_files", by_file_count)
+    assert torch_compat.hf_sharded_save_missing() == (
+        "this torch cannot consolidate safetensors shards by a tensor-to-file mapping"
+    )
+    monkeypatch.setattr(dcp, "HuggingFaceStorageWriter", FullTensorsOnly)
+    assert torch_compat.hf_sharded_save_missing() == (
+        "this torch's HuggingFaceStorageWriter has no save_distributed"
+    )
+
+
 def test_pipeline_training_step_keeps_no_outputs_where_the_schedule_allows(mesh):
     """The last stage's logits of each micro-batch go with its backward, not at the step's end."""
     from fsdp2lab.parallel.pp import Pipeline

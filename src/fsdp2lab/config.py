@@ -250,6 +250,15 @@ class TrainConfig:
         "write a plain state dict at the end (default name <model>.pt; cnn: mnist_cnn.pt)",
         optional_value=True,
     )
+    save_hf: str | None = _opt(
+        None,
+        "a Hugging Face model (--model hf:PATH): write DIR, a folder from_pretrained loads, at "
+        "the end; every rank writes its own shards",
+        metavar="DIR",
+    )
+    save_hf_every_steps: int | None = _opt(
+        None, "also write --save-hf DIR every N optimizer steps (replacing the previous one)"
+    )
     tensorboard: str | None = _opt(
         None,
         "rank 0 writes TensorBoard logs to DIR (without DIR: runs/<model>-<strategy>-<time>, or "
@@ -469,7 +478,7 @@ _BOUNDS: dict[str, tuple[float | None, float | None, bool]] = {
             "n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "synthetic_size",
             "global_batch_size", "batch_size", "test_batch_size", "grad_accum_steps", "epochs",
             "dp_replicate", "tp", "pp", "pp_microbatches", "fsdp1_min_params",
-            "fsdp_unit_min_params", "ckpt_every_steps", "nproc_per_node", "num_classes",
+            "fsdp_unit_min_params", "ckpt_every_steps", "save_hf_every_steps", "nproc_per_node", "num_classes",
             "log_every_steps", "eval_every_steps", "profile_steps", "lora_rank",
         )
     },
@@ -526,6 +535,8 @@ def validate_basic(cfg: TrainConfig) -> None:
         for name in ("lora_alpha", "lora_targets"):
             if getattr(cfg, name) is not None:
                 raise UsageError(f"--{name.replace('_', '-')} needs --lora-rank R")
+    if cfg.save_hf_every_steps and not cfg.save_hf:
+        raise UsageError("--save-hf-every-steps needs --save-hf DIR")
     if not cfg.ckpt_dir:
         for name in ("ckpt_every_steps", "async_checkpoint"):
             if getattr(cfg, name):

@@ -101,6 +101,8 @@ def resolve(cfg: TrainConfig, world_size: int, device_type: str | None = None) -
     _check_names(model, units, "sharding unit")
     head = tuple(spec.head(model))
     _check_names(model, head, "head module")
+    if cfg.save_hf:
+        _check_save_hf(cfg, model)
     if cfg.lora_rank is not None:  # adapters on the meta model: sharded with their layer
         cfg, spec, model = _with_lora(cfg, spec, model)
     if is_reference(cfg.model) and not is_reference(cfg.dataset):  # yours: checked when loaded
@@ -155,6 +157,22 @@ def resolve(cfg: TrainConfig, world_size: int, device_type: str | None = None) -
         loss=_loss(cfg, spec),
         meta_model=model,
     )
+
+
+def _check_save_hf(cfg: TrainConfig, model: nn.Module) -> None:
+    """``--save-hf`` writes a Hugging Face folder: a model with a Hugging Face config, whole
+    weights (not LoRA adapters), and a torch whose HF writer takes every rank's shards."""
+    from fsdp2lab.checkpoint.state import hf_config_of
+    from fsdp2lab.runtime.torch_compat import hf_sharded_save_missing
+
+    if hf_config_of(model) is None:
+        raise UsageError(
+            f"--save-hf writes a Hugging Face folder: model {cfg.model!r} has no Hugging Face "
+            "config (use --model hf:PATH, or --save-model)"
+        )
+    missing = hf_sharded_save_missing()
+    if missing:
+        raise UsageError(f"--save-hf: {missing}; use --ckpt-dir, then `fsdp2lab ckpt export`")
 
 
 def _with_lora(

@@ -76,7 +76,14 @@ _MODEL_KEYS = ("model", "strategies", "world_sizes", "repeat")
 _VARIANT_KEYS = ("side_by_side",)
 # Keys the sweep sets itself for every run, and keys whose files every run would share.
 _SWEEP_OWNED = ("model", "mixed_precision", "reshard_after_forward", "nproc_per_node")
-_SHARED_FILES = ("metrics_file", "ckpt_dir", "save_model", "tensorboard", "memory_snapshot")
+_SHARED_FILES = (
+    "metrics_file",
+    "ckpt_dir",
+    "save_model",
+    "save_hf",
+    "tensorboard",
+    "memory_snapshot",
+)
 _RUN_DEFAULTS = {"progress": "off", "log_every_steps": 5}
 _AXES = {
     "strategies": str,

@@ -1,10 +1,12 @@
-"""Export a DCP checkpoint's model as safetensors, one tensor at a time.
+"""Export a DCP checkpoint's model as safetensors through DCP's Hugging Face storage.
 
-The safetensors format is written here directly (no ``safetensors`` package needed): an 8-byte
-little-endian header length, a JSON header naming every tensor's dtype, shape and byte range,
-then the raw bytes. Shapes and dtypes come from the checkpoint's metadata, so the header is
-written first and each tensor is then loaded from the checkpoint on its own (``dcp.load`` of
-that one key), appended and dropped: the exporting process holds one tensor at a time.
+Each tensor is read from the checkpoint on its own (``dcp.load`` of that one key) and handed to
+DCP's ``HuggingFaceStorageWriter`` in files of consecutive tensors no bigger together than the
+largest one; torch's consolidation then joins them into the output files, one tensor at a time:
+the exporting process holds at most the largest tensor's bytes at a time.
+Where torch's consolidation cannot (a tensor that is not floating point, or a torch without it:
+``runtime.torch_compat.hf_consolidation_missing``, said in one line) each output file is written
+whole by the writer: the process holds one output file's tensors at a time.
 
 Two layouts:
 
@@ -19,9 +21,9 @@ Two layouts:
   ``transformers`` (the ``hf`` extra): it builds the model on the meta device to learn which
   weights are tied and checks the names.
 
-A folder is written whole under a temporary name and renamed into place (an earlier export there
-is replaced; a folder holding anything else is refused, as are the checkpoint's folders and the
-model folder the run started from).
+A file or folder is written whole under a temporary name and renamed into place (an earlier
+export there is replaced; a folder holding anything else is refused, as are the checkpoint's
+folders and the model folder the run started from).
 """
 
 from __future__ import annotations
@@ -31,8 +33,7 @@ import json
 import os
 import re
 import shutil
-import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,7 +47,14 @@ from fsdp2lab.checkpoint.export import _one_process
 from fsdp2lab.checkpoint.state import GENERATION_FILE, MODEL, TOKENIZER_EXTRAS, saved_run
 from fsdp2lab.data.tokens import TOKENIZER_FILES
 from fsdp2lab.errors import UsageError
-from fsdp2lab.runtime.torch_compat import SafeFileSystemReader, SafeLoadPlanner
+from fsdp2lab.runtime.torch_compat import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    hf_consolidate,
+    hf_consolidation_missing,
+    hf_shard_writer,
+    notice,
+)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -54,7 +62,7 @@ CONFIG_FILE = "config.json"
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # PEFT's adapter folder
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # save_pretrained's "5GB"
 HF_HINT = 'pip install -e ".[hf]"'
-FILE_METADATA = {"format": "pt"}  # what save_pretrained writes in a file's __metadata__
+SHARDS = "sharded"  # the writer's files of single tensors, joined into the output files
 _SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 _DTYPES: dict[torch.dtype, str] = {
@@ -124,64 +132,64 @@ def model_entries(ckpt: layout.Checkpoint) -> list[Entry]:
     return entries
 
 
-# ---------------------------------------------------------------------------- the file format
-def _file_order(entries: Iterable[Entry]) -> list[Entry]:
-    """Widest dtype first (as save_pretrained does): every tensor's bytes start aligned."""
-    return sorted(entries, key=lambda e: (-e.dtype.itemsize, e.name))
+# ---------------------------------------------------------------------------- writing
+def _checked(entry: Entry, tensor: torch.Tensor) -> torch.Tensor:
+    if tuple(tensor.shape) != entry.shape or tensor.dtype != entry.dtype:
+        raise UsageError(
+            f"{entry.name}: read {tuple(tensor.shape)} {tensor.dtype}, "
+            f"expected {entry.shape} {entry.dtype}"
+        )
+    return tensor
 
 
-def header(entries: list[Entry], metadata: dict[str, str] | None = None) -> bytes:
-    """The length prefix and JSON header for ``entries`` stored in this order; padded with
-    spaces to a multiple of 8 bytes, as the safetensors library writes it."""
-    table: dict[str, object] = {}
-    if metadata:
-        table["__metadata__"] = dict(metadata)
-    offset = 0
-    for e in entries:
-        table[e.name] = {
-            "dtype": _DTYPES[e.dtype],
-            "shape": list(e.shape),
-            "data_offsets": [offset, offset + e.nbytes],
+def _dcp_write(state: dict[str, torch.Tensor], writer) -> None:
+    with _one_process():
+        dcp.save(state, storage_writer=writer, no_dist=True)
+
+
+def pieces(entries: list[Entry]) -> list[list[Entry]]:
+    """The files DCP's writer gets before they are joined: consecutive groups of tensors no
+    bigger together than the largest (fewer files than one a tensor, as little memory)."""
+    return plan_shards(entries, max(e.nbytes for e in entries))
+
+
+def write_weights(
+    out: Path, shards: list[list[Entry]], load: Callable[[Entry], torch.Tensor]
+) -> list[Path]:
+    """``shards`` (each tensor read by ``load`` in turn) into the folder ``out`` as
+    ``model-0000K-of-0000N.safetensors`` and ``model.safetensors.index.json``, through DCP's
+    Hugging Face storage. Returns the files."""
+    entries = [e for shard in shards for e in shard]
+    fqn_to_index = {e.name: k for k, shard in enumerate(shards, 1) for e in shard}
+    missing = hf_consolidation_missing({e.dtype for e in entries})
+    if missing is None:  # at most the largest tensor's bytes at a time
+        parts = pieces(entries)
+        index_of = {e.name: i for i, part in enumerate(parts, 1) for e in part}
+        for part in parts:
+            state = {e.name: _checked(e, load(e)) for e in part}
+            _dcp_write(state, hf_shard_writer(str(out / SHARDS), index_of))
+            del state
+        hf_consolidate(str(out / SHARDS), str(out), fqn_to_index)
+        shutil.rmtree(out / SHARDS)
+    else:  # one output file at a time
+        from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+        notice(
+            f"export_whole_files {missing}", f"{missing}: each safetensors file is written whole"
+        )
+        for shard in shards:
+            state = {e.name: _checked(e, load(e)) for e in shard}
+            _dcp_write(state, HuggingFaceStorageWriter(str(out), fqn_to_index_mapping=fqn_to_index))
+            del state
+        names = {
+            k: f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)
         }
-        offset += e.nbytes
-    text = json.dumps(table, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text
-
-
-def write_safetensors(
-    path: str | os.PathLike,
-    entries: list[Entry],
-    load: Callable[[Entry], torch.Tensor],
-    metadata: dict[str, str] | None = None,
-) -> int:
-    """Write ``entries`` to ``path`` as safetensors, asking ``load`` for each tensor in turn and
-    dropping it once written. Atomic: a temporary file renamed over ``path``. Returns bytes."""
-    if sys.byteorder != "little":  # raw bytes go out as they are in memory
-        raise UsageError("safetensors export needs a little-endian machine")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = layout.temporary_name(path)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(header(entries, metadata))
-            for e in entries:
-                tensor = load(e)
-                if tuple(tensor.shape) != e.shape or tensor.dtype != e.dtype:
-                    raise UsageError(
-                        f"{e.name}: read {tuple(tensor.shape)} {tensor.dtype}, "
-                        f"expected {e.shape} {e.dtype}"
-                    )
-                if e.nbytes:
-                    raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-                    f.write(memoryview(raw.numpy()))
-                del tensor
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path.stat().st_size
+        index = {
+            "metadata": {"total_size": sum(e.nbytes for e in entries)},
+            "weight_map": {n: names[k] for n, k in sorted(fqn_to_index.items())},
+        }
+        layout._write_atomic(out / INDEX_FILE, json.dumps(index, indent=2) + "\n")
+    return sorted(out.glob("model-*-of-*.safetensors")) + [out / INDEX_FILE]
 
 
 # ---------------------------------------------------------------------------- reading
@@ -314,10 +322,16 @@ def _check_out_folder(out: Path, ckpt: layout.Checkpoint, run: dict) -> None:
     """A UsageError, before anything is written, when ``out`` is a folder the export must not
     replace: the checkpoint's, the model or tokenizer folder the run read, or one holding other
     files than an earlier export's."""
-    target = out.resolve()
-    if target == ckpt.path.resolve().parent:
+    if out.resolve() == ckpt.path.resolve().parent:
         raise UsageError(f"export to {out} refused: it is the checkpoint's folder; give a new one")
-    mine = {ckpt.path.resolve(): "the checkpoint"}
+    check_out_folder(out, run, {ckpt.path.resolve(): "the checkpoint"})
+
+
+def check_out_folder(out: Path, run: dict, mine: dict[Path, str]) -> None:
+    """A UsageError when ``out`` is, or is inside, one of ``mine`` (folder: what it is) or a
+    folder the run read (its model, its tokenizer), or holds other files than an export's."""
+    target = out.resolve()
+    mine = dict(mine)
     for entry in (run.get("companions") or {}).values():
         if isinstance(entry, dict) and entry.get("folder"):
             mine[Path(str(entry["folder"])).resolve()] = "the folder the run read its files from"
@@ -326,6 +340,8 @@ def _check_out_folder(out: Path, ckpt: layout.Checkpoint, run: dict) -> None:
     for folder, what in mine.items():
         if target == folder or folder in target.parents:
             raise UsageError(f"export to {out} refused: it is {what} ({folder}); give a new folder")
+    if target.exists() and not target.is_dir():
+        raise UsageError(f"{out} exists and is not a folder")
     if target.is_dir():
         others = sorted(p.name for p in target.iterdir() if not _export_file(p.name))
         if others:
@@ -372,7 +388,14 @@ def export_safetensors(
                 f"{out}: a Hugging Face export is a folder (config.json and safetensors); "
                 "give a folder name, not a .safetensors file"
             )
-        write_safetensors(out, _file_order(entries), load, FILE_METADATA)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = layout.temporary_name(out)
+        tmp.mkdir()
+        try:
+            write_weights(tmp, [entries], load)
+            os.replace(tmp / "model-00001-of-00001.safetensors", out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         total = sum(e.nbytes for e in entries)
         return Exported(ckpt, [out], len(entries), total)
     if out.exists() and not out.is_dir():
@@ -414,7 +437,7 @@ def write_export_folder(
     out.mkdir()
     try:
         shards = plan_shards(entries, max_shard_size)
-        files, total = _write_folder(out, shards, load, FILE_METADATA, config)
+        files, total = _write_folder(out, shards, load, config)
         for source, name in companions:
             shutil.copyfile(source, out / name)
             files.append(out / name)
@@ -429,39 +452,35 @@ def _write_folder(
     out: Path,
     shards: list[list[Entry]],
     load: Callable[[Entry], torch.Tensor],
-    meta: dict[str, str],
     config: object | None,
 ) -> tuple[list[Path], int]:
     """The weights (one file or shards and their index) and ``config.json`` into ``out``."""
-    files: list[Path] = []
-    if len(shards) == 1:
-        names = [SINGLE_FILE]
-    else:
-        names = [
-            f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)
-        ]
-    for name, shard in zip(names, shards, strict=True):
-        write_safetensors(out / name, _file_order(shard), load, meta)
-        files.append(out / name)
-    total = sum(e.nbytes for shard in shards for e in shard)
-    if len(shards) > 1:
-        weight_map = {
-            e.name: name for name, shard in zip(names, shards, strict=True) for e in shard
-        }
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        layout._write_atomic(out / INDEX_FILE, json.dumps(index, indent=2) + "\n")
-        files.append(out / INDEX_FILE)
+    files = single_file(write_weights(out, shards, load))
     if config is not None:
         layout._write_atomic(out / CONFIG_FILE, config.to_json_string())
         files.append(out / CONFIG_FILE)
-    return files, total
+    return files, sum(e.nbytes for shard in shards for e in shard)
 
 
-def companion_sources(run: dict) -> list[tuple[Path, str]]:
+def single_file(files: list[Path]) -> list[Path]:
+    """One output file (and its index) becomes ``model.safetensors`` alone, as
+    ``save_pretrained`` names it."""
+    if len(files) != 2:
+        return files
+    shard, index = files
+    os.replace(shard, shard.with_name(SINGLE_FILE))
+    index.unlink()
+    return [shard.with_name(SINGLE_FILE)]
+
+
+def companion_sources(
+    run: dict, changed: Callable[[Path], None] | None = None
+) -> list[tuple[Path, str]]:
     """Beside the weights, what ``from_pretrained`` and generation read from a model folder (the
     tokenizer's files, ``generation_config.json``): the files the run recorded
     (``state.companion_files``), each from its recorded folder and checked against its recorded
-    sha256 (a UsageError if it changed). A file no longer there is skipped."""
+    sha256 (if it changed: ``changed(file)`` and skipped, without ``changed`` a UsageError). A
+    file no longer there is skipped."""
     found = []
     for name, entry in sorted((run.get("companions") or {}).items()):
         if name not in (GENERATION_FILE, *TOKENIZER_FILES, *TOKENIZER_EXTRAS):
@@ -472,6 +491,9 @@ def companion_sources(run: dict) -> list[tuple[Path, str]]:
         if not file.is_file():
             continue
         if hashlib.sha256(file.read_bytes()).hexdigest() != entry.get("sha256"):
+            if changed is not None:
+                changed(file)
+                continue
             raise UsageError(
                 f"{file} changed since the run that saved this checkpoint read it (its sha256 "
                 "differs from the one recorded): not copied beside the weights; export to "

@@ -50,6 +50,13 @@ a DTensor's local tensor itself           <=2.6    private ``_local_tensor`` (``
 DCP HuggingFaceStorageReader, by slices   2.9      2.8's reads every whole file on every rank:
                                                    safetensors' ``get_slice`` instead
                                                    (``hf_storage_reader``)
+DCP HuggingFaceStorageWriter, each rank  -        ``save_distributed`` (``hf_shard_writer``)
+its shards; consolidated by a mapping              and private ``_consolidate_hf_safetensors.
+                                                   consolidate_safetensors_files(fqn_to_index_
+                                                   mapping=)`` (``hf_consolidate``); without
+                                                   them ``--save-hf`` is refused and ``ckpt
+                                                   export`` writes whole files, one at a time
+                                                   (also for tensors that are not floating point)
 torchdata StatefulDataLoader              0.8      its first release; 0.11 (tested) needs torch>=2
 DCP .metadata read without running code  -        ``FileSystemReader.read_metadata`` is a plain
                                                    ``pickle.load`` (2.8: no ``rank``, no private
@@ -241,6 +248,71 @@ def hf_storage_reader() -> type | None:
         )
         return None
     return HuggingFaceStorageReader
+
+
+def _hf_writer_class() -> type | None:
+    try:
+        from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    except ImportError:
+        return None
+    return (
+        HuggingFaceStorageWriter
+        if _takes(HuggingFaceStorageWriter.__init__, "save_distributed")
+        else None
+    )
+
+
+def _hf_consolidate() -> Callable | None:
+    try:
+        from torch.distributed.checkpoint._consolidate_hf_safetensors import (
+            consolidate_safetensors_files,
+        )
+    except ImportError:
+        return None
+    return (
+        consolidate_safetensors_files
+        if _takes(consolidate_safetensors_files, "fqn_to_index_mapping")
+        else None
+    )
+
+
+def hf_sharded_save_missing() -> str | None:
+    """None where :func:`hf_shard_writer` and :func:`hf_consolidate` work; else what is missing."""
+    if _hf_writer_class() is None:
+        return "this torch's HuggingFaceStorageWriter has no save_distributed"
+    if _hf_consolidate() is None:
+        return "this torch cannot consolidate safetensors shards by a tensor-to-file mapping"
+    return None
+
+
+def hf_consolidation_missing(dtypes) -> str | None:
+    """None where :func:`hf_consolidate` joins tensors of these ``dtypes``; else why not (it
+    sizes elements with ``torch.finfo``: floating point only)."""
+    missing = hf_sharded_save_missing()
+    if missing is None:
+        others = sorted({str(d).removeprefix("torch.") for d in dtypes if not d.is_floating_point})
+        if others:
+            missing = f"torch's safetensors consolidation takes floating point only, not {', '.join(others)}"
+    return missing
+
+
+def hf_shard_writer(path: str, fqn_to_index: dict[str, int]) -> Any:
+    """DCP's ``HuggingFaceStorageWriter`` writing, on every rank, its own part of each tensor to
+    ``path`` (one file per index of ``fqn_to_index``, tensor name -> 1..N)."""
+    writer = _hf_writer_class()
+    if writer is None:
+        raise RuntimeError(hf_sharded_save_missing())
+    return writer(path, fqn_to_index_mapping=fqn_to_index, save_distributed=True)
+
+
+def hf_consolidate(shards: str, out: str, fqn_to_index: dict[str, int]) -> None:
+    """Join the shards :func:`hf_shard_writer` wrote in ``shards`` into whole tensors, one at a
+    time, in ``out``: ``model-0000K-of-0000N.safetensors`` (tensor name -> K in
+    ``fqn_to_index``) and their index. torch's private ``_consolidate_hf_safetensors``."""
+    consolidate = _hf_consolidate()
+    if consolidate is None:
+        raise RuntimeError(hf_sharded_save_missing())
+    consolidate(input_dir=shards, output_dir=out, fqn_to_index_mapping=fqn_to_index)
 
 
 class RefusedPickle(pickle.UnpicklingError):

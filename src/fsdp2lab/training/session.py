@@ -53,11 +53,12 @@ def build_hooks(
     watchdog: Watchdog | None = None,
     checkpoints: CheckpointManager | None = None,
     preemption: Preemption | None = None,
+    save_hf: Hooks | None = None,
 ) -> list[Hooks]:
-    """A run's hooks in their order: the NaN guard, the watchdog, checkpoints, fault drills, then
-    the observers (they see the resumed state), preemption last."""
+    """A run's hooks in their order: the NaN guard, the watchdog, checkpoints, Hugging Face saves,
+    fault drills, then the observers (they see the resumed state), preemption last."""
     hooks: list[Hooks] = [NanGuard(runtime, cfg.on_nan)]
-    hooks += [hook for hook in (watchdog, checkpoints) if hook is not None]
+    hooks += [hook for hook in (watchdog, checkpoints, save_hf) if hook is not None]
     if fault_drills.wanted():  # tests/test_faults.py: faults injected on purpose
         hooks.append(fault_drills.FaultDrills(runtime.rank))
     return [*hooks, *observers(cfg, runtime), *([preemption] if preemption else [])]
@@ -78,9 +79,13 @@ def _train(plan: RunPlan, runtime: Runtime, watchdog: Watchdog) -> dict:
     cfg = plan.cfg
     checkpoints = CheckpointManager.from_config(cfg, runtime)  # None without checkpointing
     preemption = Preemption(runtime, checkpoints)  # USR1/TERM: checkpoint, requeue, stop
-    trainer = Trainer(
-        plan, runtime, hooks=build_hooks(cfg, runtime, watchdog, checkpoints, preemption)
-    )
+    save_hf = None
+    if cfg.save_hf:
+        from fsdp2lab.training.hf_saving import SaveHF
+
+        save_hf = SaveHF(cfg, runtime)
+    hooks = build_hooks(cfg, runtime, watchdog, checkpoints, preemption, save_hf)
+    trainer = Trainer(plan, runtime, hooks=hooks)
     try:
         summary = trainer.fit()
     except TrainingFailed:
@@ -89,6 +94,8 @@ def _train(plan: RunPlan, runtime: Runtime, watchdog: Watchdog) -> dict:
         raise
     if checkpoints:
         checkpoints.close()  # waits for a background save
+    if save_hf:
+        save_hf.check()
     if cfg.save_model and not preemption.stopped:  # a preempted run saves when it finishes
         from fsdp2lab.checkpoint.export import save_full_model
 

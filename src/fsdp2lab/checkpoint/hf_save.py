@@ -1,0 +1,182 @@
+"""A Hugging Face model folder written from every rank (``train --save-hf DIR``), no gather.
+
+Every rank hands its own shards of the model's tensors to DCP's ``HuggingFaceStorageWriter``,
+in files of groups of tensors no bigger together than the largest one (each rank serialises its
+part of one group at a time); rank 0 then joins them into whole-tensor files, one tensor at a
+time, in the ``save_pretrained`` layout (``model.safetensors``, or
+``model-0000K-of-0000N.safetensors`` and their index above ``max_shard_size``). Beside them: ``config.json`` (tied weights are stored once:
+``from_pretrained`` ties them again) and the tokenizer's files and ``generation_config.json`` the
+run read, each only while its sha256 is the one recorded at the start of the run (a file that
+changed is left out, with a warning). A LoRA run's folder is its PEFT adapter folder instead
+(``adapter_config.json``, ``adapter_model.safetensors``: what ``ckpt export`` writes). The folder
+is written whole under a temporary name and renamed into place; the folders the run read and a
+folder holding anything but an export's files are refused.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from fsdp2lab.checkpoint import layout
+from fsdp2lab.checkpoint.safetensors_export import (
+    ADAPTER_FILES,
+    CONFIG_FILE,
+    DEFAULT_MAX_SHARD_SIZE,
+    INDEX_FILE,
+    SHARDS,
+    Entry,
+    _hf_model_info,
+    _put_in_place,
+    check_out_folder,
+    companion_sources,
+    pieces,
+    plan_shards,
+    single_file,
+)
+from fsdp2lab.runtime import logs
+from fsdp2lab.runtime.distributed import on_rank0
+from fsdp2lab.runtime.torch_compat import hf_consolidate, hf_shard_writer
+
+log = logs.get_logger(__name__)
+
+
+def _entries(state: dict[str, torch.Tensor], group) -> list[Entry]:
+    """Every rank's tensors (global shapes), in model order: a pipeline stage holds some."""
+    mine = [(name, tuple(t.shape), t.dtype) for name, t in state.items()]
+    parts: list = [mine]
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        parts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, mine, group=group)
+    seen: dict[str, Entry] = {}
+    for part in parts:
+        for name, shape, dtype in part:
+            seen.setdefault(name, Entry(name, name, shape, dtype))
+    return list(seen.values())
+
+
+def save_hf(
+    model: nn.Module,
+    out: str | os.PathLike,
+    run: dict,
+    group=None,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+) -> list[Path]:
+    """Write ``model`` (parallelised, on every rank: a collective over ``group``) as a
+    ``from_pretrained`` folder ``out``. ``run``: the run's ``hf_config``, ``hf_source`` and
+    ``companions`` (``checkpoint.state.run_info``); a LoRA run's also its ``config`` (the flags).
+    Returns the files written."""
+    out = Path(out)
+    state = get_model_state_dict(model, options=StateDictOptions())  # each rank's shards
+    adapter = (run.get("config") or {}).get("lora_rank") is not None
+    if adapter:  # the adapters alone, under PEFT's names
+        config, names = _peft_names(run)
+        state = {names[k]: v for k, v in state.items() if k in names}
+    entries = _entries(state, group)
+    tied: dict[str, str] = {}
+    if not adapter:
+        config, tied = _hf_model_info(run["hf_config"], entries)
+    kept = [e for e in entries if e.name not in tied]
+    shards = plan_shards(kept, max_shard_size)
+    fqn_to_index = {e.name: i for i, shard in enumerate(shards, 1) for e in shard}
+    # Each rank serialises its part of one piece at a time.
+    index_of = {e.name: i for i, part in enumerate(pieces(kept), 1) for e in part}
+    own = {name: t for name, t in state.items() if name in fqn_to_index}
+
+    def begin() -> Path | str:
+        check_out_folder(out, run, {})
+        tmp = layout.temporary_name(out)
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            return f"{e.strerror or e}: {tmp}"
+        return tmp
+
+    tmp = on_rank0(begin)
+    if isinstance(tmp, str):
+        raise OSError(tmp)
+    try:
+        writer = hf_shard_writer(str(tmp / SHARDS), index_of)
+        dcp.save(own, storage_writer=writer, process_group=group)
+        done = on_rank0(lambda: _finish(tmp, out, fqn_to_index, config, run, adapter))
+    finally:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone once renamed into place
+    if isinstance(done, str):
+        raise OSError(done)
+    return done
+
+
+def _finish(
+    tmp: Path, out: Path, fqn_to_index: dict, config, run: dict, adapter: bool
+) -> list[Path] | str:
+    """Rank 0, once every rank has written its shards: join them into whole tensors, the
+    single-file name, ``config.json``, the companion files, then the rename into place. The
+    files, or why it failed."""
+    try:
+        hf_consolidate(str(tmp / SHARDS), str(tmp), fqn_to_index)
+        if adapter:
+            return _complete_adapter(tmp, out, config)
+        return _complete(tmp, out, config, run)
+    except OSError as e:
+        return f"{e.strerror or e}: {e.filename or out}"
+    except Exception as e:  # torch's joining: every rank must hear of it, not rank 0 alone
+        return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _complete(tmp: Path, out: Path, config, run: dict) -> list[Path]:
+    shutil.rmtree(tmp / SHARDS)
+    single_file(sorted(tmp.glob("model-*-of-*.safetensors")) + [tmp / INDEX_FILE])
+    layout._write_atomic(tmp / CONFIG_FILE, config.to_json_string())
+
+    def changed(file: Path) -> None:
+        log.warning(
+            f"fsdp2lab: warning: --save-hf: {file} changed since the run read it (its sha256 "
+            f"differs): not copied to {out}"
+        )
+
+    for source, name in companion_sources(run, changed):
+        shutil.copyfile(source, tmp / name)
+    names = sorted(p.name for p in tmp.iterdir())
+    _put_in_place(tmp, out)
+    return [out / name for name in names]
+
+
+def _peft_names(run: dict) -> tuple[object, dict[str, str]]:
+    """A LoRA run's PEFT adapter config (as ``PeftModel.save_pretrained`` writes it) and each
+    adapter's name in PEFT's file, by its name in the training model."""
+    from peft.utils import get_peft_model_state_dict
+
+    from fsdp2lab.checkpoint.lora_export import peft_model
+    from fsdp2lab.models.lora import is_adapter
+
+    _, model = peft_model(run)
+    in_peft = {id(p): n for n, p in model.named_parameters()}
+    mine = {
+        n: in_peft[id(p)] for n, p in model.get_base_model().named_parameters() if is_adapter(n)
+    }
+    marks = {peft: torch.empty(0) for peft in mine.values()}  # tell PEFT's renaming apart
+    renamed = get_peft_model_state_dict(model, state_dict=marks, save_embedding_layers=False)
+    file_name = {id(mark): name for name, mark in renamed.items()}
+    config = copy.deepcopy(model.peft_config["default"])
+    config.inference_mode = True
+    return config, {n: file_name[id(marks[peft])] for n, peft in mine.items()}
+
+
+def _complete_adapter(tmp: Path, out: Path, config) -> list[Path]:
+    shutil.rmtree(tmp / SHARDS)
+    (tmp / INDEX_FILE).unlink()
+    os.replace(tmp / "model-00001-of-00001.safetensors", tmp / ADAPTER_FILES[1])
+    config.save_pretrained(str(tmp))
+    names = sorted(p.name for p in tmp.iterdir())
+    _put_in_place(tmp, out)
+    return [out / name for name in names]
