@@ -228,6 +228,7 @@ class Trainer:
             while self.state.epoch <= cfg.epochs and not self.done():
                 self._train_epoch()
         except StopTraining as stop:
+            self.records.flush()  # the steps done have their records
             log.info(f"fsdp2lab: training stopped: {stop}")
             self.train_time_s += time.perf_counter() - start
             return {}
@@ -358,7 +359,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def run_eval(self, epoch_end: bool = False) -> dict:
-        """Evaluate on the test set: log, record, and call ``after_eval`` (``evaluation.run``)."""
+        """Evaluate on the test set: log, record, and call ``after_eval`` (``evaluation.run``),
+        after the pending step records (an evaluation waits for the device anyway)."""
+        self.records.flush()
         return evaluation.run(self, epoch_end)
 
     # ------------------------------------------------------------------ measurement
