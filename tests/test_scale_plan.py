@@ -91,7 +91,7 @@ CASES = [
     pytest.param(2, GPT, {}, (1.000,), id="gpt-fsdp2-2", marks=pytest.mark.slow),
     pytest.param(2, USER, {}, (1.009,), id="user-fsdp2-2", marks=pytest.mark.slow),
     pytest.param(1, GPT, ONE_RANK_NORM, (1.000,), id="gpt-fsdp2-1", marks=pytest.mark.slow),
-    pytest.param(4, GPT, {}, (1.000,), id="gpt-fsdp2-4", marks=pytest.mark.slow),
+    pytest.param(4, GPT, {}, (1.001,), id="gpt-fsdp2-4", marks=pytest.mark.slow),
     pytest.param(
         4, [*GPT, "--dp-replicate", "2"], {}, (1.000,), id="gpt-hsdp-2x2", marks=pytest.mark.slow
     ),  # fmt: skip
@@ -102,7 +102,7 @@ CASES = [
         2,
         [*GPT, "--activation-checkpointing", "full", "--mixed-precision", "bf16"],
         {},
-        (0.964,),
+        (0.963,),
         id="gpt-fsdp2-2-ac-bf16",
         marks=pytest.mark.slow,
     ),  # fmt: skip
