@@ -33,6 +33,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from fsdp2lab.cli import build_parser
@@ -136,14 +137,16 @@ def _allocations(
     the blocks thread ``tid`` allocates and every free of them, and the frees of blocks made before
     the profiler started. Left out: the blocks gloo's worker threads allocate and free themselves
     (each collective's staging buffer, as NCCL keeps its own outside the caching allocator), whose
-    times race the step's own allocations. A block whose free the profiler did not record (under
-    ``--tp``, some of DTensor's collectives' tensors) is freed at the latest when the allocator
-    hands its address out again: counted as freed then."""
+    times race the step's own allocations. A block whose free the profiler did not record (gloo's
+    staging copy of a collective's input, freed by its worker thread) is freed at the end of its
+    wait where that is known (:func:`_staging_frees`), else at the latest when the allocator hands
+    its address out again: counted as freed then."""
     theirs: set[int] = set()
     ours: dict[int, int] = {}
     total, out = 0, []
     cpu = [e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0]
-    for e in sorted(cpu, key=lambda e: e["ts"]):
+    cpu.sort(key=lambda e: e["ts"])
+    for e in sorted([*cpu, *_staging_frees(events, cpu, tid)], key=lambda e: e["ts"]):
         addr, nbytes = e["args"]["Addr"], e["args"]["Bytes"]
         if nbytes > 0 and (e["tid"] != tid or any(a <= e["ts"] <= b for a, b in left_out)):
             theirs.add(addr)
@@ -163,21 +166,65 @@ def _allocations(
     return out
 
 
+def _staging_frees(events: list[dict], cpu: list[dict], tid: int) -> list[dict]:
+    """A free event at the end of its wait for each staging copy that gloo makes of a functional
+    collective's input (a ``c10d::...`` op inside ``_c10d_functional::...``, on thread ``tid``):
+    gloo's worker thread frees it, in the pause after the wait, on no profiled thread."""
+    ops = [e for e in events if e.get("ph") == "X" and e["tid"] == tid]
+    issued = [(e["ts"], e["ts"] + e["dur"]) for e in ops
+              if e["name"].startswith("_c10d_functional::") and "wait" not in e["name"]]  # fmt: skip
+    staging = [(e["ts"], e["ts"] + e["dur"]) for e in ops
+               if e["name"].startswith("c10d::") and any(a <= e["ts"] <= b for a, b in issued)]  # fmt: skip
+    waits = sorted(e["ts"] + e["dur"] for e in ops if e["name"] == "_c10d_functional::wait_tensor")
+    unfreed: dict[int, dict] = {}  # address -> its staging copy's allocation, no free recorded yet
+    out = []
+
+    def free_at_wait(e: dict) -> None:
+        ts = next((w for w in waits if w > e["ts"]), None)
+        if ts is not None:
+            out.append({"ts": ts, "tid": tid, "args": {"Addr": e["args"]["Addr"],
+                                                       "Bytes": -e["args"]["Bytes"]}})  # fmt: skip
+
+    for e in cpu:  # in time order
+        addr = e["args"]["Addr"]
+        if addr in unfreed and e["args"]["Bytes"] > 0:
+            free_at_wait(unfreed.pop(addr))
+        unfreed.pop(addr, None)
+        if (
+            e["args"]["Bytes"] > 0
+            and e["tid"] == tid
+            and any(a <= e["ts"] <= b for a, b in staging)
+        ):
+            unfreed[addr] = e
+    for e in unfreed.values():
+        free_at_wait(e)
+    return out
+
+
 def settle_after_wait() -> None:
-    """Follow each collective's ``Work.wait`` (FSDP2's, pipelining's, the data-parallel ones) with
-    a pause of ``SETTLE_S``, in which gloo's worker thread lets go of the collective's tensors:
-    the step then goes on as the plan has it, each collective complete and its buffers freed.
-    (DTensor's functional collectives are not waited through ``Work``: under ``--tp`` a worker
-    still frees some of their tensors when it completes them, racing the step's allocations.)"""
+    """Follow each collective's wait with a pause of ``SETTLE_S``, in which gloo's worker thread
+    lets go of the collective's tensors: the step then goes on as the plan has it, each collective
+    complete and its buffers freed. Waited so: ``Work.wait`` (FSDP2's, pipelining's, the
+    data-parallel ones) and DTensor's functional collectives (under ``--tp``), which are waited as
+    soon as they are issued rather than when their result is first used."""
     work = dist.distributed_c10d.Work
     work_wait = work.wait
+    funcol_wait = funcol.wait_tensor
 
     def wait_and_settle(self, *args, **kwargs):
         done = work_wait(self, *args, **kwargs)
         time.sleep(SETTLE_S)
         return done
 
+    def wait_tensor_and_settle(tensor):
+        done = funcol_wait(tensor)
+        time.sleep(SETTLE_S)
+        return done
+
     work.wait = wait_and_settle
+    funcol.wait_tensor = wait_tensor_and_settle
+    funcol._maybe_wrap_tensor = wait_tensor_and_settle
+    funcol._maybe_wrap_tensors = lambda tensors: [wait_tensor_and_settle(t) for t in tensors]
 
 
 def start_trainer() -> tuple[Trainer, int, int]:

@@ -320,20 +320,24 @@ def train_step(
     the steps it logs.)"""
     optimizer.zero_grad(set_to_none=True)
     k = plan.cfg.grad_accum_steps
-    loss_sum = torch.zeros(())
+    loss_sum = None
+
+    def mean(loss: torch.Tensor) -> torch.Tensor:  # a micro-batch's share of the step's mean
+        return loss if k == 1 else loss / k
+
     for micro in range(k):
         x, y = batches()
         if pipeline is not None:
             loss = pipeline.train_step(
-                x, y, lambda out, target: _loss(plan, out, target) / k, finalize=micro == k - 1
+                x, y, lambda out, target: mean(_loss(plan, out, target)), finalize=micro == k - 1
             )
         else:
             if before_forward is not None:
                 before_forward()
             with plan.strategy.sync_context(model, micro == k - 1):
-                loss = _loss(plan, model(x), y) / k
+                loss = mean(_loss(plan, model(x), y))
                 loss.backward()
-        loss_sum += loss.detach()
+        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
     if plan.cfg.max_grad_norm is not None:
         plan.strategy.clip_grad_norm(model, plan.cfg.max_grad_norm, loss_sum)
     optimizer.step()
