@@ -259,6 +259,11 @@ class TrainConfig:
     save_hf_every_steps: int | None = _opt(
         None, "also write --save-hf DIR every N optimizer steps (replacing the previous one)"
     )
+    merge: bool = _opt(
+        False,
+        "a LoRA run's --save-hf DIR: the base model with the adapters merged in (W + scale * B @ "
+        "A per adapted linear), a folder from_pretrained loads (default: a PEFT adapter folder)",
+    )
     tensorboard: str | None = _opt(
         None,
         "rank 0 writes TensorBoard logs to DIR (without DIR: runs/<model>-<strategy>-<time>, or "
@@ -537,6 +542,8 @@ def validate_basic(cfg: TrainConfig) -> None:
                 raise UsageError(f"--{name.replace('_', '-')} needs --lora-rank R")
     if cfg.save_hf_every_steps and not cfg.save_hf:
         raise UsageError("--save-hf-every-steps needs --save-hf DIR")
+    if cfg.merge and (not cfg.save_hf or cfg.lora_rank is None):
+        raise UsageError("--merge needs --lora-rank R and --save-hf DIR")
     if not cfg.ckpt_dir:
         for name in ("ckpt_every_steps", "async_checkpoint"):
             if getattr(cfg, name):

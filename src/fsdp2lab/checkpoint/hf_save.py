@@ -8,7 +8,8 @@ time, in the ``save_pretrained`` layout (``model.safetensors``, or
 ``from_pretrained`` ties them again) and the tokenizer's files and ``generation_config.json`` the
 run read, each only while its sha256 is the one recorded at the start of the run (a file that
 changed is left out, with a warning). A LoRA run's folder is its PEFT adapter folder instead
-(``adapter_config.json``, ``adapter_model.safetensors``: what ``ckpt export`` writes). The folder
+(``adapter_config.json``, ``adapter_model.safetensors``: what ``ckpt export`` writes), or with
+``--merge`` the model with the adapters merged in (:func:`merged_state`). The folder
 is written whole under a temporary name and renamed into place; the folders the run read and a
 folder holding anything but an export's files are refused.
 """
@@ -76,7 +77,10 @@ def save_hf(
     Returns the files written."""
     out = Path(out)
     state = get_model_state_dict(model, options=StateDictOptions())  # each rank's shards
-    adapter = (run.get("config") or {}).get("lora_rank") is not None
+    flags = run.get("config") or {}
+    adapter = flags.get("lora_rank") is not None and not flags.get("merge")
+    if flags.get("lora_rank") is not None and flags.get("merge"):
+        state = merged_state(model, state)
     if adapter:  # the adapters alone, under PEFT's names
         config, names = _peft_names(run)
         state = {names[k]: v for k, v in state.items() if k in names}
@@ -114,6 +118,54 @@ def save_hf(
     if isinstance(done, str):
         raise OSError(done)
     return done
+
+
+def merged_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A LoRA model's state (each rank's shards) with the adapters merged in, under the base
+    model's names: each adapted linear's weight becomes ``W + scale * B @ A`` as PEFT's
+    ``LoraLayer.merge`` computes it (the delta in the adapters' fp32, the sum in ``W``'s dtype).
+
+    Where ``W`` and ``B`` are sharded alike on their output rows (FSDP2 and HSDP: ``Shard(0)``
+    or ``Replicate`` on one mesh), each rank merges its own rows: ``W``'s shard plus its rows of
+    ``B`` times the whole ``A`` (rank x in_features, gathered). Otherwise the three are gathered
+    whole, one weight at a time, merged and sharded again as ``W`` was. Each rank holds its
+    merged shards beside the model's until the save ends."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from fsdp2lab.models.lora import ADAPTER, base_key, lora_layers
+
+    scales = {layer.scaling[ADAPTER] for _, layer in lora_layers(model)}
+    if len(scales) != 1:
+        raise ValueError(f"--merge: the LoRA layers' scales differ ({sorted(scales)})")
+    (scale,) = scales
+    a_suffix, b_suffix = f".lora_A.{ADAPTER}.weight", f".lora_B.{ADAPTER}.weight"
+    state = dict(state)
+    for name in [n for n in state if n.endswith(a_suffix)]:
+        prefix = name.removesuffix(a_suffix)
+        a, b = state.pop(name), state.pop(prefix + b_suffix)
+        w_name = f"{prefix}.base_layer.weight"
+        w = state[w_name]
+        if not isinstance(w, DTensor):
+            full_a, full_b = (t.full_tensor() if isinstance(t, DTensor) else t for t in (a, b))
+            state[w_name] = _merge(w, full_b, full_a, scale)
+            continue
+        full_a = a.full_tensor() if isinstance(a, DTensor) else a
+        rows = isinstance(b, DTensor) and b.device_mesh == w.device_mesh
+        rows = rows and b.placements == w.placements
+        if rows and all(p == Shard(0) or isinstance(p, Replicate) for p in w.placements):
+            local = _merge(w.to_local(), b.to_local(), full_a, scale)
+            state[w_name] = DTensor.from_local(
+                local, w.device_mesh, w.placements, shape=w.shape, stride=w.stride()
+            )
+        else:
+            full_b = b.full_tensor() if isinstance(b, DTensor) else b
+            whole = _merge(w.full_tensor(), full_b, full_a, scale)
+            state[w_name] = distribute_tensor(whole, w.device_mesh, w.placements)
+    return {base_key(name): t for name, t in state.items()}
+
+
+def _merge(w: torch.Tensor, b: torch.Tensor, a: torch.Tensor, scale: float) -> torch.Tensor:
+    return (w + (b @ a) * scale).to(w.dtype)
 
 
 def _finish(

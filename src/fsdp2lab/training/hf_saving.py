@@ -37,7 +37,8 @@ class SaveHF(Hooks):
         self.run: dict = {}
         self.saved_step: int | None = None
         self.failed: str | None = None
-        self.what = "PEFT adapter" if cfg.lora_rank is not None else "Hugging Face model"
+        adapter = cfg.lora_rank is not None and not cfg.merge
+        self.what = "PEFT adapter" if adapter else "Hugging Face model"
 
     def before_fit(self, trainer: Trainer) -> None:
         # The companion files' hashes as this run reads them: a file changed later is not copied.
