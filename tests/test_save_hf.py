@@ -270,6 +270,35 @@ def test_every_n_steps_replaces_the_folder_and_sharded_output_has_an_index(llama
     assert loaded.config.num_hidden_layers == 6
 
 
+def test_async_checkpoint_saves_the_same_folder_while_training_goes_on(llama, tmp_path):
+    """Rank 1's write of the step-2 save takes 3 s longer (``FSDP2LAB_HF_SLOW_AT``): the sync
+    run's steps wait for it, the async run's go on; both end in the same tensors."""
+    from safetensors.torch import load_file
+
+    from fsdp2lab.runtime.faults import SLOW_S
+
+    runs, gaps = {}, {}
+    for mode in ("sync", "async"):
+        flags = ["--async-checkpoint"] if mode == "async" else []
+        runs[mode] = run = train(
+            tmp_path, "--model", f"hf:{llama}", "--nproc-per-node", "2", "--max-steps", "3",
+            "--save-hf", str(tmp_path / mode), "--save-hf-every-steps", "2",
+            "--log-every-steps", "1", *flags, *COMMON, name=mode,
+            env={"FSDP2LAB_HF_SLOW_AT": "1:2"},
+        )  # fmt: skip
+        saves = [line for line in run.stdout.splitlines() if "Hugging Face model saved" in line]
+        assert [s.split(" at step ")[1].split()[0] for s in saves] == ["2", "3"], saves
+        times = [r["time"] for r in run.events("step")]
+        assert len(times) == 3
+        gaps[mode] = max(b - a for a, b in zip(times, times[1:], strict=False))
+    assert gaps["sync"] >= SLOW_S, gaps  # the measure sees a blocking save
+    assert gaps["async"] < SLOW_S / 2, gaps  # training went on during the write
+    saved, reference = (load_file(tmp_path / m / "model.safetensors") for m in ("async", "sync"))
+    assert saved.keys() == reference.keys()
+    assert all(torch.equal(saved[k], reference[k]) for k in saved)
+    assert not list(tmp_path.glob(".async.*"))  # renamed into place
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

@@ -19,6 +19,8 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -43,9 +45,9 @@ from fsdp2lab.checkpoint.safetensors_export import (
     plan_shards,
     single_file,
 )
-from fsdp2lab.runtime import logs
+from fsdp2lab.runtime import faults, logs
 from fsdp2lab.runtime.distributed import on_rank0
-from fsdp2lab.runtime.torch_compat import hf_consolidate, hf_shard_writer
+from fsdp2lab.runtime.torch_compat import hf_consolidate
 
 log = logs.get_logger(__name__)
 
@@ -70,11 +72,16 @@ def save_hf(
     run: dict,
     group=None,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
-) -> list[Path]:
+    asynchronous: bool = False,
+    step: int = 0,
+) -> list[Path] | Future:
     """Write ``model`` (parallelised, on every rank: a collective over ``group``) as a
     ``from_pretrained`` folder ``out``. ``run``: the run's ``hf_config``, ``hf_source`` and
     ``companions`` (``checkpoint.state.run_info``); a LoRA run's also its ``config`` (the flags).
-    Returns the files written."""
+    Returns the files written (rank 0's list; the others': empty). ``asynchronous``: through
+    ``dcp.async_save``: the shards are copied to memory, then written, joined and renamed into
+    place by background threads; returns a Future of the files. ``step``: for the fault drills
+    (:func:`fsdp2lab.runtime.faults.hf_writer`)."""
     out = Path(out)
     state = get_model_state_dict(model, options=StateDictOptions())  # each rank's shards
     flags = run.get("config") or {}
@@ -108,16 +115,45 @@ def save_hf(
     tmp = on_rank0(begin)
     if isinstance(tmp, str):
         raise OSError(tmp)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank0 = rank == 0
+    writer = faults.hf_writer(str(tmp / SHARDS), index_of, rank, step)
+    if asynchronous:
+        written = dcp.async_save(own, storage_writer=writer, process_group=group)
+        finish = (lambda: _finish(tmp, out, fqn_to_index, config, run, adapter)) if rank0 else None
+        return _then(written, finish, tmp)
     try:
-        writer = hf_shard_writer(str(tmp / SHARDS), index_of)
         dcp.save(own, storage_writer=writer, process_group=group)
         done = on_rank0(lambda: _finish(tmp, out, fqn_to_index, config, run, adapter))
     finally:
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if rank0:
             shutil.rmtree(tmp, ignore_errors=True)  # gone once renamed into place
     if isinstance(done, str):
         raise OSError(done)
-    return done
+    return done if rank0 else []
+
+
+def _then(written: Future, finish, tmp: Path) -> Future:
+    """A Future of the files: once every rank's shards are written, rank 0 (``finish``: not None)
+    finishes the folder ``tmp`` in a thread of its own while training goes on."""
+    result: Future = Future()
+
+    def complete() -> None:
+        try:
+            written.result()
+            done = finish() if finish else []
+            if isinstance(done, str):
+                raise OSError(done)
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+            result.set_exception(e)
+        else:
+            result.set_result(done)
+        finally:
+            if finish:
+                shutil.rmtree(tmp, ignore_errors=True)  # gone once renamed into place
+
+    threading.Thread(target=complete, name="fsdp2lab-save-hf", daemon=True).start()
+    return result
 
 
 def merged_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
