@@ -258,45 +258,49 @@ def test_merged_state_is_peft_merge_for_every_sharding(one_rank, placements):
     assert not torch.equal(want, model.q_proj.base_layer.weight)
 
 
-def test_every_n_steps_replaces_the_folder_and_sharded_output_has_an_index(llama, tmp_path):
+def every_two_steps(llama: Path, tmp_path: Path, *flags: str):
+    """A 2-rank run of 4 steps saving every 2, rank 1's write of the step-2 save 3 s slower
+    (``FSDP2LAB_HF_SLOW_AT``); its folder, its saves' steps, the longest time between steps."""
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "model.safetensors").write_bytes(b"an earlier export")  # an export's file: replaced
     run = train(tmp_path, "--model", f"hf:{llama}", "--nproc-per-node", "2", "--max-steps", "4",
-                "--save-hf", str(out), "--save-hf-every-steps", "2", *COMMON)  # fmt: skip
+                "--save-hf", str(out), "--save-hf-every-steps", "2", "--log-every-steps", "1",
+                *flags, *COMMON, env={"FSDP2LAB_HF_SLOW_AT": "1:2"})  # fmt: skip
     saves = [line for line in run.stdout.splitlines() if "Hugging Face model saved" in line]
-    assert [s.split(" at step ")[1].split()[0] for s in saves] == ["2", "4"], saves
+    times = [r["time"] for r in run.events("step")]
+    assert len(times) == 4
+    gap = max(b - a for a, b in zip(times, times[1:], strict=False))
+    return out, [s.split(" at step ")[1].split()[0] for s in saves], gap
+
+
+@pytest.fixture(scope="module")
+def sync_run(llama, tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("sync")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "model.safetensors").write_bytes(b"an earlier export")  # replaced
+    return every_two_steps(llama, tmp_path)
+
+
+def test_every_n_steps_replaces_the_folder(sync_run):
+    out, steps, gap = sync_run
+    assert steps == ["2", "4"]
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert loaded.config.num_hidden_layers == 6
 
 
-def test_async_checkpoint_saves_the_same_folder_while_training_goes_on(llama, tmp_path):
-    """Rank 1's write of the step-2 save takes 3 s longer (``FSDP2LAB_HF_SLOW_AT``): the sync
-    run's steps wait for it, the async run's go on; both end in the same tensors."""
+def test_async_checkpoint_saves_the_same_folder_while_training_goes_on(llama, sync_run, tmp_path):
+    """The sync run's steps wait for the slow write, the async run's go on; the same tensors."""
     from safetensors.torch import load_file
 
     from fsdp2lab.runtime.faults import SLOW_S
 
-    runs, gaps = {}, {}
-    for mode in ("sync", "async"):
-        flags = ["--async-checkpoint"] if mode == "async" else []
-        runs[mode] = run = train(
-            tmp_path, "--model", f"hf:{llama}", "--nproc-per-node", "2", "--max-steps", "3",
-            "--save-hf", str(tmp_path / mode), "--save-hf-every-steps", "2",
-            "--log-every-steps", "1", *flags, *COMMON, name=mode,
-            env={"FSDP2LAB_HF_SLOW_AT": "1:2"},
-        )  # fmt: skip
-        saves = [line for line in run.stdout.splitlines() if "Hugging Face model saved" in line]
-        assert [s.split(" at step ")[1].split()[0] for s in saves] == ["2", "3"], saves
-        times = [r["time"] for r in run.events("step")]
-        assert len(times) == 3
-        gaps[mode] = max(b - a for a, b in zip(times, times[1:], strict=False))
-    assert gaps["sync"] >= SLOW_S, gaps  # the measure sees a blocking save
-    assert gaps["async"] < SLOW_S / 2, gaps  # training went on during the write
-    saved, reference = (load_file(tmp_path / m / "model.safetensors") for m in ("async", "sync"))
+    out, steps, gap = every_two_steps(llama, tmp_path, "--async-checkpoint")
+    assert steps == ["2", "4"]
+    assert sync_run[2] >= SLOW_S, sync_run  # the measure sees a blocking save
+    assert gap < SLOW_S / 2, gap  # training went on during the write
+    saved, reference = (load_file(f / "model.safetensors") for f in (out, sync_run[0]))
     assert saved.keys() == reference.keys()
     assert all(torch.equal(saved[k], reference[k]) for k in saved)
-    assert not list(tmp_path.glob(".async.*"))  # renamed into place
+    assert not list(tmp_path.glob(".out.*"))  # renamed into place
 
 
 @pytest.mark.parametrize(
