@@ -119,7 +119,12 @@ def save_hf(
     rank0 = rank == 0
     writer = faults.hf_writer(str(tmp / SHARDS), index_of, rank, step)
     if asynchronous:
-        written = dcp.async_save(own, storage_writer=writer, process_group=group)
+        try:
+            written = dcp.async_save(own, storage_writer=writer, process_group=group)
+        except BaseException:
+            if rank0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         finish = (lambda: _finish(tmp, out, fqn_to_index, config, run, adapter)) if rank0 else None
         return _then(written, finish, tmp)
     try:
