@@ -184,16 +184,123 @@ def test_a_lora_run_saves_the_peft_adapter_folder_ckpt_export_writes(llama, tmp_
     assert (got - want).abs().max().item() <= 1e-6
 
 
-def test_every_n_steps_replaces_the_folder_and_sharded_output_has_an_index(llama, tmp_path):
+def test_a_lora_run_with_merge_saves_the_merged_model_ckpt_export_merge_writes(llama, tmp_path):
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    from fsdp2lab import cli
+
+    out, ckpt = tmp_path / "merged", tmp_path / "ckpt"
+    run = train(tmp_path, "--model", f"hf:{llama}", "--lora-rank", "4", "--lora-alpha", "8",
+                "--nproc-per-node", "2", "--max-steps", "2", "--save-hf", str(out), "--merge",
+                "--ckpt-dir", str(ckpt), *COMMON[:-2], "--lr", "1e-2")  # fmt: skip
+    assert f"Hugging Face model saved to {out} at step 2" in run.stdout
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors",
+    ]  # fmt: skip
+    exported, adapter = tmp_path / "exported", tmp_path / "adapter"
+    assert cli.main(["ckpt", "export", str(ckpt), str(exported), "--merge"]) == 0
+    assert cli.main(["ckpt", "export", str(ckpt), str(adapter)]) == 0
+    saved, reference = (load_file(f / "model.safetensors") for f in (out, exported))
+    assert saved.keys() == reference.keys() and "lm_head.weight" not in saved
+    assert all(torch.equal(saved[k], reference[k]) for k in saved)
+
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    base = transformers.AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
+    x = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = base(x).logits
+        want = peft.PeftModel.from_pretrained(base, adapter)(x).logits
+        got = merged(x).logits
+    assert (want - before).abs().max() > 1e-4  # trained adapters, not the base alone
+    assert (got - want).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "placements", [None, ("S0", "S0", "S0"), ("S0", "R", "S1")], ids=["plain", "rows", "gathered"]
+)
+def test_merged_state_is_peft_merge_for_every_sharding(one_rank, placements):
+    """Plain tensors (DDP, one device), W and B sharded alike on rows (each rank merges its own),
+    and shards that do not line up (gathered whole, one weight at a time, sharded again)."""
+    peft = pytest.importorskip("peft")
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from fsdp2lab.checkpoint.hf_save import merged_state
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    model.add_module("q_proj", torch.nn.Linear(8, 6))
+    config = peft.LoraConfig(r=2, lora_alpha=6, target_modules=["q_proj"], init_lora_weights=False)
+    model = peft.inject_adapter_in_model(config, model)
+    state = dict(model.state_dict())
+    if placements:
+        mesh, kinds = (
+            init_device_mesh("cpu", (1,)),
+            {"S0": Shard(0), "S1": Shard(1), "R": Replicate()},
+        )
+        names = ["q_proj.base_layer.weight", "q_proj.lora_A.default.weight",
+                 "q_proj.lora_B.default.weight"]  # fmt: skip
+        for name, kind in zip(names, placements, strict=True):
+            state[name] = distribute_tensor(state[name], mesh, [kinds[kind]])
+    merged = copy.deepcopy(model)
+    merged.q_proj.merge()
+    want = merged.q_proj.get_base_layer().weight.detach()
+    got = merged_state(model, state)
+    assert sorted(got) == ["q_proj.bias", "q_proj.weight"]
+    weight = got["q_proj.weight"]
+    if placements:
+        assert weight.placements == state["q_proj.base_layer.weight"].placements
+        weight = weight.full_tensor()
+    assert not isinstance(weight, DTensor) and torch.equal(weight, want)
+    assert not torch.equal(want, model.q_proj.base_layer.weight)
+
+
+def every_two_steps(llama: Path, tmp_path: Path, *flags: str):
+    """A 2-rank run of 4 steps saving every 2, rank 1's write of the step-2 save 3 s slower
+    (``FSDP2LAB_HF_SLOW_AT``); its folder, its saves' steps, the longest time between steps."""
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "model.safetensors").write_bytes(b"an earlier export")  # an export's file: replaced
     run = train(tmp_path, "--model", f"hf:{llama}", "--nproc-per-node", "2", "--max-steps", "4",
-                "--save-hf", str(out), "--save-hf-every-steps", "2", *COMMON)  # fmt: skip
+                "--save-hf", str(out), "--save-hf-every-steps", "2", "--log-every-steps", "1",
+                *flags, *COMMON, env={"FSDP2LAB_HF_SLOW_AT": "1:2"})  # fmt: skip
     saves = [line for line in run.stdout.splitlines() if "Hugging Face model saved" in line]
-    assert [s.split(" at step ")[1].split()[0] for s in saves] == ["2", "4"], saves
+    times = [r["time"] for r in run.events("step")]
+    assert len(times) == 4
+    gap = max(b - a for a, b in zip(times, times[1:], strict=False))
+    return out, [s.split(" at step ")[1].split()[0] for s in saves], gap
+
+
+@pytest.fixture(scope="module")
+def sync_run(llama, tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("sync")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "model.safetensors").write_bytes(b"an earlier export")  # replaced
+    return every_two_steps(llama, tmp_path)
+
+
+def test_every_n_steps_replaces_the_folder(sync_run):
+    out, steps, gap = sync_run
+    assert steps == ["2", "4"]
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert loaded.config.num_hidden_layers == 6
+
+
+def test_async_checkpoint_saves_the_same_folder_while_training_goes_on(llama, sync_run, tmp_path):
+    """The sync run's steps wait for the slow write, the async run's go on; the same tensors."""
+    from safetensors.torch import load_file
+
+    from fsdp2lab.runtime.faults import SLOW_S
+
+    out, steps, gap = every_two_steps(llama, tmp_path, "--async-checkpoint")
+    assert steps == ["2", "4"]
+    assert sync_run[2] >= SLOW_S, sync_run  # the measure sees a blocking save
+    assert gap < SLOW_S / 2, gap  # training went on during the write
+    saved, reference = (load_file(f / "model.safetensors") for f in (out, sync_run[0]))
+    assert saved.keys() == reference.keys()
+    assert all(torch.equal(saved[k], reference[k]) for k in saved)
+    assert not list(tmp_path.glob(".out.*"))  # renamed into place
 
 
 @pytest.mark.parametrize(
@@ -203,10 +310,11 @@ def test_every_n_steps_replaces_the_folder_and_sharded_output_has_an_index(llama
          "--save-hf writes a Hugging Face folder: model 'gpt' has no Hugging Face config "
          "(use --model hf:PATH, or --save-model)"),
         (["--save-hf-every-steps", "2"], "--save-hf-every-steps needs --save-hf DIR"),
+        (["--save-hf", "out", "--merge"], "--merge needs --lora-rank R and --save-hf DIR"),
         (["--save-hf", "out", "--save-hf-every-steps", "0"],
          "--save-hf-every-steps must be >= 1, got 0"),
     ],
-    ids=["not-hf", "every-without-dir", "every-0"],
+    ids=["not-hf", "every-without-dir", "merge-without-lora", "every-0"],
 )  # fmt: skip
 def test_bad_input_is_one_line_and_exit_2(flags, message, tmp_path):
     proc = run_cli(["train", *flags, "--max-steps", "1"], cwd=tmp_path)

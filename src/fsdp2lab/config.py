@@ -208,7 +208,9 @@ class TrainConfig:
         "keep the newest K complete checkpoints, delete older ones once a new one is complete "
         "(0: keep all)",
     )
-    async_checkpoint: bool = _opt(False, "save with dcp.async_save while training goes on")
+    async_checkpoint: bool = _opt(
+        False, "save (checkpoints, --save-hf) with dcp.async_save while training goes on"
+    )
     resume: str = _opt("auto", "auto (newest complete checkpoint in --ckpt-dir) | never | PATH")
     # launch and runtime
     nproc_per_node: int | None = _opt(
@@ -258,6 +260,11 @@ class TrainConfig:
     )
     save_hf_every_steps: int | None = _opt(
         None, "also write --save-hf DIR every N optimizer steps (replacing the previous one)"
+    )
+    merge: bool = _opt(
+        False,
+        "a LoRA run's --save-hf DIR: the base model with the adapters merged in (W + scale * B @ "
+        "A per adapted linear), a folder from_pretrained loads (default: a PEFT adapter folder)",
     )
     tensorboard: str | None = _opt(
         None,
@@ -537,7 +544,9 @@ def validate_basic(cfg: TrainConfig) -> None:
                 raise UsageError(f"--{name.replace('_', '-')} needs --lora-rank R")
     if cfg.save_hf_every_steps and not cfg.save_hf:
         raise UsageError("--save-hf-every-steps needs --save-hf DIR")
-    if not cfg.ckpt_dir:
-        for name in ("ckpt_every_steps", "async_checkpoint"):
-            if getattr(cfg, name):
-                raise UsageError(f"--{name.replace('_', '-')} needs --ckpt-dir DIR")
+    if cfg.merge and (not cfg.save_hf or cfg.lora_rank is None):
+        raise UsageError("--merge needs --lora-rank R and --save-hf DIR")
+    if not cfg.ckpt_dir and cfg.ckpt_every_steps:
+        raise UsageError("--ckpt-every-steps needs --ckpt-dir DIR")
+    if cfg.async_checkpoint and not (cfg.ckpt_dir or cfg.save_hf):
+        raise UsageError("--async-checkpoint needs --ckpt-dir DIR or --save-hf DIR")

@@ -8,7 +8,8 @@ time, in the ``save_pretrained`` layout (``model.safetensors``, or
 ``from_pretrained`` ties them again) and the tokenizer's files and ``generation_config.json`` the
 run read, each only while its sha256 is the one recorded at the start of the run (a file that
 changed is left out, with a warning). A LoRA run's folder is its PEFT adapter folder instead
-(``adapter_config.json``, ``adapter_model.safetensors``: what ``ckpt export`` writes). The folder
+(``adapter_config.json``, ``adapter_model.safetensors``: what ``ckpt export`` writes), or with
+``--merge`` the model with the adapters merged in (:func:`merged_state`). The folder
 is written whole under a temporary name and renamed into place; the folders the run read and a
 folder holding anything but an export's files are refused.
 """
@@ -18,6 +19,8 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -42,9 +45,9 @@ from fsdp2lab.checkpoint.safetensors_export import (
     plan_shards,
     single_file,
 )
-from fsdp2lab.runtime import logs
+from fsdp2lab.runtime import faults, logs
 from fsdp2lab.runtime.distributed import on_rank0
-from fsdp2lab.runtime.torch_compat import hf_consolidate, hf_shard_writer
+from fsdp2lab.runtime.torch_compat import hf_consolidate
 
 log = logs.get_logger(__name__)
 
@@ -69,14 +72,22 @@ def save_hf(
     run: dict,
     group=None,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
-) -> list[Path]:
+    asynchronous: bool = False,
+    step: int = 0,
+) -> list[Path] | Future:
     """Write ``model`` (parallelised, on every rank: a collective over ``group``) as a
     ``from_pretrained`` folder ``out``. ``run``: the run's ``hf_config``, ``hf_source`` and
     ``companions`` (``checkpoint.state.run_info``); a LoRA run's also its ``config`` (the flags).
-    Returns the files written."""
+    Returns the files written (rank 0's list; the others': empty). ``asynchronous``: through
+    ``dcp.async_save``: the shards are copied to memory, then written, joined and renamed into
+    place by background threads; returns a Future of the files. ``step``: for the fault drills
+    (:func:`fsdp2lab.runtime.faults.hf_writer`)."""
     out = Path(out)
     state = get_model_state_dict(model, options=StateDictOptions())  # each rank's shards
-    adapter = (run.get("config") or {}).get("lora_rank") is not None
+    flags = run.get("config") or {}
+    adapter = flags.get("lora_rank") is not None and not flags.get("merge")
+    if flags.get("lora_rank") is not None and flags.get("merge"):
+        state = merged_state(model, state)
     if adapter:  # the adapters alone, under PEFT's names
         config, names = _peft_names(run)
         state = {names[k]: v for k, v in state.items() if k in names}
@@ -104,16 +115,98 @@ def save_hf(
     tmp = on_rank0(begin)
     if isinstance(tmp, str):
         raise OSError(tmp)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank0 = rank == 0
+    writer = faults.hf_writer(str(tmp / SHARDS), index_of, rank, step)
+    if asynchronous:
+        try:
+            written = dcp.async_save(own, storage_writer=writer, process_group=group)
+        except BaseException:
+            if rank0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finish = (lambda: _finish(tmp, out, fqn_to_index, config, run, adapter)) if rank0 else None
+        return _then(written, finish, tmp)
     try:
-        writer = hf_shard_writer(str(tmp / SHARDS), index_of)
         dcp.save(own, storage_writer=writer, process_group=group)
         done = on_rank0(lambda: _finish(tmp, out, fqn_to_index, config, run, adapter))
     finally:
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if rank0:
             shutil.rmtree(tmp, ignore_errors=True)  # gone once renamed into place
     if isinstance(done, str):
         raise OSError(done)
-    return done
+    return done if rank0 else []
+
+
+def _then(written: Future, finish, tmp: Path) -> Future:
+    """A Future of the files: once every rank's shards are written, rank 0 (``finish``: not None)
+    finishes the folder ``tmp`` in a thread of its own while training goes on."""
+    result: Future = Future()
+
+    def complete() -> None:
+        try:
+            written.result()
+            done = finish() if finish else []
+            if isinstance(done, str):
+                raise OSError(done)
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+            result.set_exception(e)
+        else:
+            result.set_result(done)
+        finally:
+            if finish:
+                shutil.rmtree(tmp, ignore_errors=True)  # gone once renamed into place
+
+    threading.Thread(target=complete, name="fsdp2lab-save-hf", daemon=True).start()
+    return result
+
+
+def merged_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A LoRA model's state (each rank's shards) with the adapters merged in, under the base
+    model's names: each adapted linear's weight becomes ``W + scale * B @ A`` as PEFT's
+    ``LoraLayer.merge`` computes it (the delta in the adapters' fp32, the sum in ``W``'s dtype).
+
+    Where ``W`` and ``B`` are sharded alike on their output rows (FSDP2 and HSDP: ``Shard(0)``
+    or ``Replicate`` on one mesh), each rank merges its own rows: ``W``'s shard plus its rows of
+    ``B`` times the whole ``A`` (rank x in_features, gathered). Otherwise the three are gathered
+    whole, one weight at a time, merged and sharded again as ``W`` was. Each rank holds its
+    merged shards beside the model's until the save ends."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from fsdp2lab.models.lora import ADAPTER, base_key, lora_layers
+
+    scales = {layer.scaling[ADAPTER] for _, layer in lora_layers(model)}
+    if len(scales) != 1:
+        raise ValueError(f"--merge: the LoRA layers' scales differ ({sorted(scales)})")
+    (scale,) = scales
+    a_suffix, b_suffix = f".lora_A.{ADAPTER}.weight", f".lora_B.{ADAPTER}.weight"
+    state = dict(state)
+    for name in [n for n in state if n.endswith(a_suffix)]:
+        prefix = name.removesuffix(a_suffix)
+        a, b = state.pop(name), state.pop(prefix + b_suffix)
+        w_name = f"{prefix}.base_layer.weight"
+        w = state[w_name]
+        if not isinstance(w, DTensor):
+            full_a, full_b = (t.full_tensor() if isinstance(t, DTensor) else t for t in (a, b))
+            state[w_name] = _merge(w, full_b, full_a, scale)
+            continue
+        full_a = a.full_tensor() if isinstance(a, DTensor) else a
+        rows = isinstance(b, DTensor) and b.device_mesh == w.device_mesh
+        rows = rows and b.placements == w.placements
+        if rows and all(p == Shard(0) or isinstance(p, Replicate) for p in w.placements):
+            local = _merge(w.to_local(), b.to_local(), full_a, scale)
+            state[w_name] = DTensor.from_local(
+                local, w.device_mesh, w.placements, shape=w.shape, stride=w.stride()
+            )
+        else:
+            full_b = b.full_tensor() if isinstance(b, DTensor) else b
+            whole = _merge(w.full_tensor(), full_b, full_a, scale)
+            state[w_name] = distribute_tensor(whole, w.device_mesh, w.placements)
+    return {base_key(name): t for name, t in state.items()}
+
+
+def _merge(w: torch.Tensor, b: torch.Tensor, a: torch.Tensor, scale: float) -> torch.Tensor:
+    return (w + (b @ a) * scale).to(w.dtype)
 
 
 def _finish(

@@ -6,6 +6,7 @@
 | ``FSDP2LAB_CKPT_CRASH_AT=RANK:STEP`` | that rank dies right after writing its shards of that step's save |
 | ``FSDP2LAB_CKPT_ENOSPC_AT=RANK:STEP`` | that rank's write of that step's save fails: "No space left" |
 | ``FSDP2LAB_CKPT_STALL_AT=RANK:STEP`` | that rank's write of that step's save hangs (a save in flight) |
+| ``FSDP2LAB_HF_SLOW_AT=RANK:STEP`` | that rank's ``--save-hf`` write of that step takes 3 s longer |
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch.distributed.checkpoint as dcp
 
 from fsdp2lab.runtime import logs
+from fsdp2lab.runtime.torch_compat import hf_shard_writer
 
 log = logs.get_logger(__name__)
 
@@ -37,6 +39,24 @@ def checkpoint_writer(path: Path, rank: int, step: int) -> dcp.FileSystemWriter:
     if injected_at("FSDP2LAB_CKPT_STALL_AT", rank, step):
         return _Stall(path)
     return dcp.FileSystemWriter(path)
+
+
+SLOW_S = 3.0
+
+
+def hf_writer(path: str, fqn_to_index: dict[str, int], rank: int, step: int):
+    """DCP's Hugging Face shard writer (:func:`~fsdp2lab.runtime.torch_compat.hf_shard_writer`),
+    or one that writes ``SLOW_S`` seconds late as asked for this rank and step."""
+    writer = hf_shard_writer(path, fqn_to_index)
+    if injected_at("FSDP2LAB_HF_SLOW_AT", rank, step):
+        write = writer.write_data
+
+        def slow(plan, planner):
+            time.sleep(SLOW_S)
+            return write(plan, planner)
+
+        writer.write_data = slow
+    return writer
 
 
 class _CrashAfterWrite(dcp.FileSystemWriter):

@@ -2,13 +2,17 @@
 end of training (and every ``--save-hf-every-steps`` steps) by :mod:`fsdp2lab.checkpoint.hf_save`.
 
 A save that fails (disk full, I/O error) is a warning and training goes on; if the last one
-failed, the run ends with exit code 1. Weights that are not finite are never saved.
+failed, the run ends with exit code 1. Weights that are not finite are never saved. With
+``--async-checkpoint`` the shards are copied to memory at once and the folder is written by
+background threads while training goes on, at most one save in flight; the run waits for the
+last one before it ends.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,9 +39,12 @@ class SaveHF(Hooks):
         self.out, self.every, self.runtime = cfg.save_hf, cfg.save_hf_every_steps, runtime
         self.group = new_io_group(runtime)
         self.run: dict = {}
+        self.asynchronous = cfg.async_checkpoint
+        self.in_flight: tuple[Future, int, float] | None = None
         self.saved_step: int | None = None
         self.failed: str | None = None
-        self.what = "PEFT adapter" if cfg.lora_rank is not None else "Hugging Face model"
+        adapter = cfg.lora_rank is not None and not cfg.merge
+        self.what = "PEFT adapter" if adapter else "Hugging Face model"
 
     def before_fit(self, trainer: Trainer) -> None:
         # The companion files' hashes as this run reads them: a file changed later is not copied.
@@ -52,6 +59,8 @@ class SaveHF(Hooks):
         on_rank0(lambda: check_out_folder(out, run, {}))
 
     def after_step(self, trainer: Trainer) -> None:
+        if self.in_flight is not None and self.in_flight[0].done():
+            self._wait()
         if self.every and trainer.state.step % self.every == 0 and not trainer.done():
             self.save(trainer)
 
@@ -59,7 +68,8 @@ class SaveHF(Hooks):
         self.save(trainer)
 
     def check(self) -> None:
-        """A TrainingFailed if the run's last save failed."""
+        """Wait for a save in flight; a TrainingFailed if the run's last save failed."""
+        self._wait()
         if self.failed:
             raise TrainingFailed(f"--save-hf {self.out}: the model was not saved: {self.failed}")
 
@@ -68,6 +78,7 @@ class SaveHF(Hooks):
         step = trainer.state.step
         if step == self.saved_step:
             return
+        self._wait()
         trainer.settle()  # the NaN guard's verdicts up to this step first
         self.saved_step = step
         if not all_finite(trainer.model.parameters(), trainer.device):
@@ -79,14 +90,31 @@ class SaveHF(Hooks):
             return
         started = time.perf_counter()
         try:
-            files = save_hf(trainer.model, self.out, self.run, self.group)
+            files = save_hf(trainer.model, self.out, self.run, self.group,
+                            asynchronous=self.asynchronous, step=step)  # fmt: skip
         except (CheckpointException, OSError) as e:
-            self.failed = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-            if self.runtime.is_main:
-                log.warning(
-                    f"fsdp2lab: warning: {self.out} not saved at step {step}: {self.failed}"
-                )
+            return self._failed(step, e)
+        if isinstance(files, Future):
+            self.in_flight = (files, step, started)
             return
+        self._saved(step, files, started)
+
+    def _wait(self) -> None:
+        if self.in_flight is None:
+            return
+        (future, step, started), self.in_flight = self.in_flight, None
+        try:
+            files = future.result()
+        except (CheckpointException, OSError) as e:
+            return self._failed(step, e)
+        self._saved(step, files, started)
+
+    def _failed(self, step: int, error: BaseException) -> None:
+        self.failed = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        if self.runtime.is_main:
+            log.warning(f"fsdp2lab: warning: {self.out} not saved at step {step}: {self.failed}")
+
+    def _saved(self, step: int, files: list[Path], started: float) -> None:
         self.failed = None
         if self.runtime.is_main:
             size = sum(f.stat().st_size for f in files)
