@@ -33,12 +33,6 @@ def register(subparsers) -> None:
         "400 Gb/s NIC per GPU)",
     )
     p.add_argument(
-        "--efficiency",
-        type=float,
-        default=estimate.DEFAULT_EFFICIENCY,
-        help="achieved fraction of the GPU's peak bf16 FLOP/s (default: %(default)s)",
-    )
-    p.add_argument(
         "--memory-margin",
         type=float,
         default=estimate.DEFAULT_MARGIN,
@@ -67,13 +61,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     nproc = cfg.nproc_per_node or 8
-    if not 0 < args.efficiency <= 1 or not 0 <= args.memory_margin < 1 or args.inter_node_gbs <= 0:
-        raise UsageError(
-            "--efficiency must be in (0, 1], --memory-margin in [0, 1), --inter-node-gbs > 0"
-        )
-    hw = Hardware(
-        get_gpu(args.gpu), nproc, args.inter_node_gbs, args.efficiency, args.memory_margin
-    )
+    if not 0 <= args.memory_margin < 1 or args.inter_node_gbs <= 0:
+        raise UsageError("--memory-margin must be in [0, 1), --inter-node-gbs > 0")
+    hw = Hardware(get_gpu(args.gpu), nproc, args.inter_node_gbs, args.memory_margin)
     report = plan_report(cfg, world_size(args, nproc), hw)
     print(json.dumps(report, indent=1) if args.json else format_report(report))
     return 0

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fsdp2lab.scale.gpus import GPU
+from fsdp2lab.scale.timing import step_time
 
 if TYPE_CHECKING:  # importing them imports torch: ``fsdp2lab plan --help`` goes without it
     from fsdp2lab.plan import RunPlan
@@ -46,7 +47,6 @@ GIB = 1024**3
 # Table 1 is not a check of them; Table 3 (128 GPUs) and another published run are.
 ALLOCATOR_OVERHEAD = 0.144  # the caching allocator's reserved over the compute stream's peak
 NON_TORCH_GIB = 1.0  # CUDA context and NCCL buffers (not calibrated: nothing published)
-DEFAULT_EFFICIENCY = 0.38  # achieved / peak dense bf16 FLOP/s of the model's kernels
 DEFAULT_MARGIN = 0.05  # of the GPU's memory kept free
 LATENCY_S = {"intra": 10e-6, "inter": 30e-6}  # per collective call
 
@@ -56,7 +56,6 @@ class Hardware:
     gpu: GPU
     nproc_per_node: int
     inter_node_gbs: float
-    efficiency: float = DEFAULT_EFFICIENCY
     margin: float = DEFAULT_MARGIN
 
 
@@ -118,6 +117,19 @@ def phase_figures(run: RoleRun, hw: Hardware) -> list[dict]:
     return out
 
 
+def _fused_optimizer_bytes(plan: RunPlan, run: RoleRun) -> int | None:
+    """What a fused optimizer step reads and writes (parameters, gradients, state once; the
+    parameters and state written back); None for the others (timed from their ops)."""
+    if plan.cfg.optimizer not in ("adam", "adamw"):
+        return None
+    state = run.state
+    return (
+        2 * state.get("param_bytes", 0)
+        + state.get("grad_bytes", 0)
+        + 2 * state.get("optimizer_state_bytes", 0)
+    )
+
+
 def estimate(plan: RunPlan, run: RoleRun, hw: Hardware) -> dict:
     """The plan's figures for one rank role, as the ``--json`` output carries them."""
     gpu = hw.gpu
@@ -126,38 +138,34 @@ def estimate(plan: RunPlan, run: RoleRun, hw: Hardware) -> dict:
     peak_phase = max(phases, key=lambda p: p["reserved_bytes_estimate"])
 
     comm = {}
-    fsdp_s = tp_s = pp_s = 0.0
-    first_last_s = 0.0
+    links = {}
     for dim, kinds in sorted(run.comm.items()):
         where = "inter" if dim_spans_nodes(plan, dim, hw.nproc_per_node) else "intra"
         gbs = hw.inter_node_gbs if where == "inter" else gpu.intra_node_gbs
+        links[dim] = (gbs, LATENCY_S[where])
         entry = {"bandwidth_gbs": gbs, "across_nodes": where == "inter"}
-        dim_s = 0.0
         for kind, c in kinds.items():
-            seconds = c.wire_bytes / (gbs * 1e9) + c.calls * LATENCY_S[where]
             entry[kind] = {
                 "calls": c.calls,
                 "bytes": c.tensor_bytes,
                 "wire_bytes": c.wire_bytes,
-                "seconds": seconds,
+                "seconds": c.wire_bytes / (gbs * 1e9) + c.calls * LATENCY_S[where],
             }
-            dim_s += seconds
-            if dim not in ("tp", "pp") and kind in ("all_gather", "reduce_scatter") and c.calls:
-                first_last_s += seconds / c.calls  # one unit's, unhidden
-        entry["seconds"] = dim_s
-        if dim == "tp":
-            tp_s += dim_s
-        elif dim == "pp":
-            pp_s += dim_s
-        else:
-            fsdp_s += dim_s
+        entry["seconds"] = sum(v["seconds"] for v in entry.values() if isinstance(v, dict))
         comm[dim] = entry
+    links.setdefault("other", (gpu.intra_node_gbs, LATENCY_S["intra"]))
 
-    compute_s = run.flops / (gpu.bf16_tflops * 1e12 * hw.efficiency)
-    optimizer_s = 2 * run.state_bytes / (gpu.hbm_tbs * 1e12)
+    t = step_time(
+        run.ops,
+        gpu,
+        compiled=plan.cfg.compile,
+        links=links,
+        optimizer_bytes=_fused_optimizer_bytes(plan, run),
+    )
+    compute_s = sum(t.busy.values())
     stages, n = plan.dims.pp, plan.n_microbatches
     bubble_s = compute_s * (stages - 1) / n  # (P - 1) / (n + P - 1) of compute + bubble
-    step_s = max(compute_s, fsdp_s) + first_last_s + tp_s + optimizer_s + bubble_s + pp_s
+    step_s = t.step_s + bubble_s
     tokens = plan.global_batch * (plan.cfg.seq_len if plan.spec.task == "lm" else 1)
     per_gpu = tokens / plan.world_size / step_s
     model_flops = 3 * run.forward_flops  # forward + backward (2x), no recomputation
@@ -182,12 +190,15 @@ def estimate(plan: RunPlan, run: RoleRun, hw: Hardware) -> dict:
         "model_flops_per_step": model_flops,
         "time": {
             "compute_s": compute_s,
-            "fsdp_comm_s": fsdp_s,
-            "exposed_fsdp_comm_s": max(0.0, fsdp_s - compute_s) + first_last_s,
-            "tp_comm_s": tp_s,
+            "matmul_s": t.busy["matmul"],
+            "attention_s": t.busy["attention"],
+            "memory_bound_s": t.busy["memory"],
+            "launch_bound_s": t.launch_bound_s,
+            "kernels": t.kernels,
+            "comm_s": t.comm,
+            "exposed_comm_s": t.exposed_comm_s,
             "pipeline_bubble_s": bubble_s,
-            "pp_comm_s": pp_s,
-            "optimizer_s": optimizer_s,
+            "optimizer_s": t.optimizer_s,
             "step_s": step_s,
         },
         "tokens_per_s_per_gpu": per_gpu,

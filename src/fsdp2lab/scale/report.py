@@ -24,14 +24,13 @@ from fsdp2lab.scale.simulate import simulate, stage_ranks
 MODELLED = (
     "model, mesh (--dp-replicate, --dp-shard, --tp), batch, --seq-len, --grad-accum-steps, "
     "--mixed-precision fp32/bf16, --activation-checkpointing, --reshard-after-forward, "
-    "--fsdp-units, --prefetch, --optimizer, --pp (each stage a rank role) with --pp-schedule "
-    "gpipe/1f1b and --pp-microbatches; besides the training step, evaluation "
+    "--fsdp-units, --prefetch, --optimizer, --compile (fused elementwise kernels), --pp (each "
+    "stage a rank role) with --pp-schedule gpipe/1f1b and --pp-microbatches; besides the training step, evaluation "
     "(--test-batch-size), the --save-model gather and checkpoint saves (--ckpt-dir, "
     "--async-checkpoint)"
 )
 NOT_MODELLED = {
     "cpu_offload": "--cpu-offload (the plan keeps state on the GPU)",
-    "compile": "--compile (the plan runs eager kernels)",
 }
 
 
@@ -131,7 +130,6 @@ def plan_report(cfg: TrainConfig, world_size: int, hw: Hardware, alternatives: b
         "nodes": -(-world_size // hw.nproc_per_node),
         "gpu": dataclasses.asdict(hw.gpu),
         "inter_node_gbs": hw.inter_node_gbs,
-        "efficiency": hw.efficiency,
         "margin": hw.margin,
         "allocator_model": f"{ALLOCATOR_MODEL}; {NON_TORCH_GIB:g} GiB outside PyTorch (CUDA "
         "context, NCCL)",
@@ -274,13 +272,14 @@ def format_report(r: dict) -> str:
                     )
         t = role["time"]
         lines.append(
-            f"  step: {t['step_s'] * 1e3:,.1f} ms = compute {t['compute_s'] * 1e3:,.1f} ms at "
-            f"{r['efficiency']:.0%} of {gpu['bf16_tflops']:g} TFLOP/s + exposed FSDP comm "
-            f"{t['exposed_fsdp_comm_s'] * 1e3:,.1f} ms + TP comm {t['tp_comm_s'] * 1e3:,.1f} ms "
-            f"+ optimizer {t['optimizer_s'] * 1e3:,.1f} ms"
+            f"  step: {t['step_s'] * 1e3:,.1f} ms = {t['kernels']:,} kernels on the compute "
+            f"stream (matmul {t['matmul_s'] * 1e3:,.1f} ms, attention "
+            f"{t['attention_s'] * 1e3:,.1f} ms, memory-bound {t['memory_bound_s'] * 1e3:,.1f} ms)"
+            f" + waiting for the host to launch them {t['launch_bound_s'] * 1e3:,.1f} ms + "
+            f"exposed communication {t['exposed_comm_s'] * 1e3:,.1f} ms + optimizer "
+            f"{t['optimizer_s'] * 1e3:,.1f} ms"
             + (
-                f" + pipeline bubble {t['pipeline_bubble_s'] * 1e3:,.1f} ms + PP comm "
-                f"{t['pp_comm_s'] * 1e3:,.1f} ms"
+                f" + pipeline bubble {t['pipeline_bubble_s'] * 1e3:,.1f} ms"
                 if "stage" in role
                 else ""
             )

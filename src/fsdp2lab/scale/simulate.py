@@ -60,6 +60,7 @@ from fsdp2lab.runtime.torch_compat import (
     dtensor_shape_inference,
     pipeline_checks_local_shards,
 )
+from fsdp2lab.scale.op_trace import Op, OpTrace
 from fsdp2lab.training.loss import model_loss
 from fsdp2lab.training.metrics import state_bytes
 from fsdp2lab.training.optim import build_optimizer
@@ -119,6 +120,7 @@ class RoleRun:
     modules: tuple[str, ...] = ()  # --pp: the stage's modules
     # Every phase of the run this rank goes through (:func:`run_phases`), the training step first.
     phases: list[Phase] = field(default_factory=list)
+    ops: list[Op] = field(default_factory=list)  # the step's ops in order (scale.op_trace)
 
     @property
     def state_bytes(self) -> int:
@@ -198,46 +200,51 @@ class StepCounter(SeesShapeInference, TorchDispatchMode):
         self.group_dims = group_dims  # process group name -> mesh dimension name
         self.comm: dict[str, dict[str, Collective]] = defaultdict(lambda: defaultdict(Collective))
         self.flops = 0
+        self.trace = OpTrace()  # every op, for the time model
 
     def get_total_flops(self) -> int:
         return self.flops
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        formula = flop_registry.get(func._overloadpacket)
         if defer_to_dtensor(types):
             return NotImplemented  # DTensor runs it on its local shards, counted then
-        if formula is not None:
-            out = func(*args, **kwargs)
-            if not self._inferring():
-                self.flops += formula(*args, **kwargs, out_val=out)
-            return out
+        out = func(*args, **kwargs)
+        inferring = self._inferring()
+        formula = flop_registry.get(func._overloadpacket)
+        flops = formula(*args, **kwargs, out_val=out) if formula and not inferring else 0
+        self.flops += flops
         namespace, _, name = func._schema.name.partition("::")
         if namespace == "c10d" and name in _COLLECTIVES:
             kind = _COLLECTIVES[name]
             group = next(a for a in args if isinstance(a, torch.ScriptObject))
             # all-gather: the output; reduce-scatter: the input; all-reduce: the tensor
             big = args[1] if kind == "reduce_scatter" else args[0]
-            self._count(kind, dist.ProcessGroup.unbox(group), _nbytes(big))
+            self._count(kind, dist.ProcessGroup.unbox(group), _nbytes(big), args, args)
         elif namespace == "_c10d_functional" and name in _FUNCTIONAL:
             kind = _FUNCTIONAL[name]
             group = dist.distributed_c10d._resolve_process_group(args[-1])
             scale = group.size() if kind == "all_gather" else 1  # the gathered output
-            self._count(kind, group, scale * _nbytes(args[0]))
-        return func(*args, **kwargs)
+            self._count(kind, group, scale * _nbytes(args[0]), args[0], out)
+        elif not inferring:
+            self.trace.record(func, args, kwargs, out, flops)
+        return out
 
-    def _count(self, kind: str, group: dist.ProcessGroup, nbytes: int) -> None:
+    def _count(self, kind: str, group: dist.ProcessGroup, nbytes: int, reads, writes) -> None:
         size = group.size()
         if size == 1:
             return
-        entry = self.comm[self.group_dims.get(group.group_name, "other")][kind]
+        dim = self.group_dims.get(group.group_name, "other")
+        entry = self.comm[dim][kind]
         entry.calls += 1
         entry.tensor_bytes += nbytes
         if kind in ("send", "recv"):  # point to point: the tensor itself
-            entry.wire_bytes += nbytes
+            wire = nbytes
         else:
-            factor = 2 if kind == "all_reduce" else 1
-            entry.wire_bytes += factor * nbytes * (size - 1) // size
+            wire = (2 if kind == "all_reduce" else 1) * nbytes * (size - 1) // size
+        entry.wire_bytes += wire
+        if not self._inferring():
+            self.trace.collective(kind, dim, reads, writes, wire)
 
 
 def defer_to_dtensor(types) -> bool:
@@ -633,6 +640,7 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
             if plan.dims.pp > 1:
                 pipeline = static_pipeline(plan, model, mesh, device, batches()[0], shapes)
             counter = StepCounter(_group_dims(mesh))
+            counter.trace.mark_optimizer(optimizer)
             forward = _ForwardFlops(counter)
             counters = (counter, forward.installed(model))
             tracker = memory_tracker(model, optimizer)
@@ -654,6 +662,7 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
             forward_flops=forward.total,
             comm={d: dict(kinds) for d, kinds in counter.comm.items()},
             phases=phases,
+            ops=counter.trace.ops,
         )
     finally:
         dist.destroy_process_group()

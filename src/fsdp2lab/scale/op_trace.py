@@ -1,0 +1,153 @@
+"""The ops of a simulated training step, in the order a rank issues them, with what a GPU's time
+depends on: FLOPs, bytes read and written, a matmul's shape, an attention's causality, a
+collective's bytes on the wire, and which tensors (storages) each op reads and writes.
+
+:class:`OpTrace` is filled by the plan's dispatch mode (``scale.simulate.StepCounter``) over the
+tracked step; ``scale.timing`` turns it into a step time. Ops that launch no kernel (views,
+allocations, metadata) are left out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+aten = torch.ops.aten
+
+MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
+# Collectives are recorded by :meth:`OpTrace.collective`; the others launch no GPU kernel.
+SKIPPED_NAMESPACES = ("c10d", "_c10d_functional", "prim", "profiler")
+# FSDP2's copies into its all-gather and reduce-scatter buffers, run on their side streams.
+COPY_IN = ("all_gather_copy_in", "chunk_cat")
+# Ops that make or reinterpret a tensor without a kernel reading or writing its data.
+NO_KERNEL = {
+    aten.empty,
+    aten.empty_like,
+    aten.empty_strided,
+    aten.new_empty,
+    aten.new_empty_strided,
+    aten._unsafe_view,
+    aten.lift_fresh,
+    aten.resize_,
+    aten.set_,
+    aten.record_stream,
+    aten.is_same_size,
+    aten._local_scalar_dense,
+}
+
+
+@dataclass(slots=True)
+class Op:
+    # "matmul", "attention", "memory" (bound by bytes), "collective", and "copy_in": FSDP2's
+    # copies into a collective's buffer, which it runs on the collective's side stream
+    kind: str
+    flops: int
+    bytes: int  # read + written
+    reads: tuple[int, ...]  # storages read
+    writes: tuple[int, ...]  # storages written
+    read_bytes: tuple[int, ...] = ()  # of each tensor read (``reads``' order)
+    write_bytes: tuple[int, ...] = ()  # of each tensor written
+    mnk: tuple[int, int, int] = (0, 0, 0)  # a matmul's output rows, columns and inner size
+    causal: bool = False  # an attention's mask: the kernel computes about half its FLOPs
+    dim: str = ""  # a collective's mesh dimension
+    wire_bytes: int = 0  # what a rank sends (= receives) for a collective
+    optimizer: bool = False  # run by the optimizer step
+    fusable: bool = True  # an aten op a compiler may fuse with its neighbours
+    fsdp: str = ""  # FSDP2's own op (``torch.ops.fsdp``): its name
+    collective: str = ""  # a collective's kind: all_gather, reduce_scatter, all_reduce, ...
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _nbytes(ts: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def _mnk(func, args) -> tuple[int, int, int]:
+    a, b = (args[1], args[2]) if func._overloadpacket in (aten.addmm, aten.baddbmm) else args[:2]
+    batch = a.shape[0] if a.dim() == 3 else 1
+    return batch * a.shape[-2], b.shape[-1], a.shape[-1]
+
+
+def _causal(func, args, kwargs) -> bool:
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == "is_causal":
+            return bool(kwargs.get("is_causal", args[i] if i < len(args) else False))
+    return False
+
+
+class OpTrace:
+    """The ops of one step, appended by :meth:`record` and :meth:`collective`."""
+
+    def __init__(self) -> None:
+        self.ops: list[Op] = []
+        self.optimizer = False  # set while the optimizer steps
+
+    def mark_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Mark the ops ``optimizer.step`` runs (from its hooks)."""
+
+        def mark(value: bool):
+            return lambda *args: setattr(self, "optimizer", value)
+
+        optimizer.register_step_pre_hook(mark(True))
+        optimizer.register_step_post_hook(mark(False))
+
+    def record(self, func, args, kwargs, out, flops: int) -> None:
+        packet = func._overloadpacket
+        namespace = func.namespace
+        if func.is_view or packet in NO_KERNEL or namespace in SKIPPED_NAMESPACES:
+            return
+        ins = _tensors(args) + _tensors(list(kwargs.values()))
+        outs = _tensors(out)
+        if namespace == "fsdp":
+            copy_in = packet.__name__.startswith(COPY_IN)
+            kind, extra = ("copy_in" if copy_in else "memory"), {"fsdp": packet.__name__}
+        elif packet in MATMULS:
+            kind, extra = "matmul", {"mnk": _mnk(func, args)}
+        elif "attention" in packet.__name__:
+            kind, extra = "attention", {"causal": _causal(func, args, kwargs)}
+        else:
+            kind, extra = "memory", {}
+        self.ops.append(
+            Op(
+                kind,
+                flops,
+                _nbytes(ins) + _nbytes(outs),
+                tuple(_storage(t) for t in ins),
+                tuple(_storage(t) for t in outs),
+                tuple(_nbytes([t]) for t in ins),
+                tuple(_nbytes([t]) for t in outs),
+                optimizer=self.optimizer,
+                fusable=namespace == "aten",
+                **extra,
+            )
+        )
+
+    def collective(self, kind: str, dim: str, reads, writes, wire_bytes: int) -> None:
+        """A collective on mesh dimension ``dim`` that reads the tensors in ``reads`` and writes
+        those in ``writes``."""
+        ins, outs = _tensors(reads), _tensors(writes)
+        self.ops.append(
+            Op(
+                "collective",
+                0,
+                _nbytes(ins) + _nbytes(outs),
+                tuple(_storage(t) for t in ins),
+                tuple(_storage(t) for t in outs),
+                dim=dim,
+                wire_bytes=wire_bytes,
+                optimizer=self.optimizer,
+                collective=kind,
+            )
+        )

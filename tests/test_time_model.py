@@ -1,0 +1,118 @@
+"""The plan's time model (``scale.timing``) on traces written out by hand, where each figure
+follows from the constants in ``scale.gpus``, and on a plan's own trace."""
+
+from __future__ import annotations
+
+import pytest
+
+from fsdp2lab.scale.gpus import GPUS, LAUNCH_S, MATMUL_TILE
+from fsdp2lab.scale.op_trace import Op
+from fsdp2lab.scale.timing import fused, matmul_s, step_time
+
+H100 = GPUS["h100"]
+LINKS = {"dp_shard": (H100.intra_node_gbs, 10e-6), "tp": (H100.intra_node_gbs, 10e-6)}
+MB = 1 << 20
+
+
+def mm(m: int, n: int, k: int, reads=(1, 2), writes=(3,)) -> Op:
+    nbytes = 2 * (m * k + k * n + m * n)
+    return Op("matmul", 2 * m * n * k, nbytes, reads, writes, mnk=(m, n, k))
+
+
+def mem(nbytes: int, reads, writes) -> Op:
+    half = nbytes // 2
+    return Op(
+        "memory",
+        0,
+        nbytes,
+        tuple(reads),
+        tuple(writes),
+        tuple(half // len(reads) for _ in reads),
+        tuple(half // len(writes) for _ in writes),
+    )
+
+
+def test_a_large_matmul_runs_at_the_maximum_achievable_flops():
+    tm, tn = MATMUL_TILE
+    m, n = tm * H100.sms * 4, tn * 8  # 32 waves of full tiles
+    flops = 2 * m * n * 8192
+    assert matmul_s(H100, flops, 0, (m, n, 8192)) == pytest.approx(
+        flops / (H100.mamf_tflops * 1e12)
+    )
+
+
+def test_a_partial_last_wave_costs_a_whole_wave():
+    tm, tn = MATMUL_TILE
+    full = matmul_s(H100, 1, 0, (tm * H100.sms, tn, 4096))
+    one_more = matmul_s(H100, 1, 0, (tm * (H100.sms + 1), tn, 4096))  # 133 tiles: 2 waves
+    assert one_more / full == pytest.approx(2 * H100.sms / (H100.sms + 1))
+
+
+def test_a_skinny_matmul_is_bound_by_its_bytes():
+    op = mm(16384, 16, 4096)  # a LoRA adapter's A: rank 16
+    assert matmul_s(H100, op.flops, op.bytes, op.mnk) == pytest.approx(op.bytes / 3.35e12)
+
+
+def test_an_all_gather_issued_ahead_hides_behind_compute():
+    big = mm(16384, 4096, 4096, reads=(10, 11), writes=(12,))
+    gather = Op("collective", 0, 0, (20,), (21,), dim="dp_shard", wire_bytes=100 * MB)
+    uses_it = mm(16384, 4096, 4096, reads=(21, 12), writes=(13,))
+    alone = step_time([big, uses_it], H100, compiled=False, links=LINKS, optimizer_bytes=0)
+    overlapped = step_time(
+        [gather, big, uses_it], H100, compiled=False, links=LINKS, optimizer_bytes=0
+    )
+    comm_s = 100 * MB / 450e9 + 10e-6
+    assert big.flops / (H100.mamf_tflops * 1e12) > comm_s  # the matmul is the longer
+    assert overlapped.step_s == pytest.approx(alone.step_s + LAUNCH_S)
+    assert overlapped.exposed_comm_s == pytest.approx(0.0, abs=1e-12)
+    assert overlapped.comm["dp_shard"] == pytest.approx(comm_s)
+
+
+def test_a_collective_whose_output_the_next_op_reads_is_on_the_critical_path():
+    a = mm(16384, 4096, 4096, reads=(10, 11), writes=(12,))
+    reduce = Op("collective", 0, 0, (12,), (13,), dim="tp", wire_bytes=200 * MB)
+    b = mm(16384, 4096, 4096, reads=(13, 11), writes=(14,))
+    t = step_time([a, reduce, b], H100, compiled=False, links=LINKS, optimizer_bytes=0)
+    comm_s = 200 * MB / 450e9 + 10e-6
+    compute = 2 * matmul_s(H100, a.flops, a.bytes, a.mnk)
+    assert t.step_s == pytest.approx(LAUNCH_S + compute + comm_s)
+    assert t.exposed_comm_s == pytest.approx(comm_s)
+
+
+def test_tiny_kernels_wait_for_the_host():
+    ops = [mem(1024, [i], [i + 1]) for i in range(1000)]
+    t = step_time(ops, H100, compiled=False, links=LINKS, optimizer_bytes=0)
+    last_kernel = 1024 / (H100.hbm_tbs * 1e12)
+    assert t.step_s == pytest.approx(1000 * LAUNCH_S + last_kernel)
+    assert t.kernels == 1000
+
+
+def test_compiling_fuses_a_chain_into_one_kernel_that_moves_its_ends():
+    chain = [mem(2 * MB, [1], [2]), mem(2 * MB, [2], [3]), mem(2 * MB, [3], [4])]
+    (kernel,) = fused(chain)
+    assert kernel.bytes == 2 * MB  # reads 1 (1 MiB), writes 4 (1 MiB)
+    assert kernel.reads == (1,) and kernel.writes == (4,)
+    between = fused([chain[0], mm(64, 64, 64), chain[1], chain[2]])
+    assert [op.kind for op in between] == ["memory", "matmul", "memory"]
+    eager = step_time(chain, H100, compiled=False, links=LINKS, optimizer_bytes=0)
+    compiled = step_time(chain, H100, compiled=True, links=LINKS, optimizer_bytes=0)
+    assert (eager.kernels, compiled.kernels) == (3, 1)
+    assert compiled.busy["memory"] == pytest.approx(eager.busy["memory"] / 3)
+
+
+def test_an_intermediate_read_later_in_the_chain_is_not_written():
+    chain = [mem(2 * MB, [1], [2]), mem(3 * MB, [2, 1], [3])]  # 2 is consumed inside
+    (kernel,) = fused(chain)
+    assert set(kernel.writes) == {3} and set(kernel.reads) == {1}
+
+
+def test_the_optimizer_is_timed_by_its_bytes_when_fused_and_from_its_ops_otherwise():
+    step = [mm(4096, 4096, 4096)]
+    opt = [mem(64 * MB, [7], [7]) for _ in range(3)]
+    for op in opt:
+        op.optimizer = True
+    fused_t = step_time(step + opt, H100, compiled=False, links=LINKS, optimizer_bytes=32 * MB)
+    loop_t = step_time(step + opt, H100, compiled=False, links=LINKS, optimizer_bytes=None)
+    assert fused_t.optimizer_s == pytest.approx(32 * MB / 3.35e12)
+    assert loop_t.optimizer_s == pytest.approx(3 * 64 * MB / 3.35e12)
+    assert fused_t.kernels == loop_t.kernels == 1
