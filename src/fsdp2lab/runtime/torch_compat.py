@@ -71,6 +71,9 @@ DTensor's shape inference, flagged      -        private ``ShardingPropagator._p
                                                    tensor_meta_non_cached`` runs ops on fake
                                                    global shapes under the dispatch modes
                                                    (``dtensor_shape_inference``: FLOPs skip them)
+the memory tracker's module peaks, fast   -        private ``MemTracker._update_peak_stats``,
+                                                   ``memory_tracking``, ``_mod_tracker.parents``
+                                                   (``ActiveModulePeaks``; else torch's update)
 ========================================  =======  ==============================================
 """
 
