@@ -71,6 +71,9 @@ DTensor's shape inference, flagged      -        private ``ShardingPropagator._p
                                                    tensor_meta_non_cached`` runs ops on fake
                                                    global shapes under the dispatch modes
                                                    (``dtensor_shape_inference``: FLOPs skip them)
+the memory tracker's module peaks, fast   -        private ``MemTracker._update_peak_stats``,
+                                                   ``memory_tracking``, ``_mod_tracker.parents``
+                                                   (``ActiveModulePeaks``; else torch's update)
 ========================================  =======  ==============================================
 """
 
@@ -177,6 +180,50 @@ def clear_dtensor_caches() -> list[str]:
         native()
         cleared.append("native_sharding_propagator")
     return cleared
+
+
+# ---------------------------------------------------------------------- memory tracker
+class ActiveModulePeaks:
+    """A mixin for torch's ``MemTracker`` (``FSDPMemTracker``): its update, after every op, of
+    the peaks of the modules running now (private ``_update_peak_stats``, which visits every
+    module tracked so far and updates those in ``_mod_tracker.parents``) shown only those
+    modules. The same statistics, at a cost that no longer grows with the model's depth. Where
+    the tracker lacks those private attributes, its own update runs as it is."""
+
+    _by_fqn_key: tuple | None = None
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        tracking = getattr(self, "memory_tracking", None)
+        data = getattr(tracking, "data", None)
+        parents = getattr(getattr(self, "_mod_tracker", None), "parents", None)
+        if not isinstance(data, dict) or not isinstance(parents, set):
+            return super()._update_peak_stats(peak_state)  # type: ignore[misc]
+        key = (id(data), len(data))  # modules are added, or die, or all are reset
+        if self._by_fqn_key != key:
+            by_fqn: dict[str, list] = {}
+            for stats in tracking.values():
+                by_fqn.setdefault(stats.mod_fqn, []).append(stats)
+            self._by_fqn, self._by_fqn_key = by_fqn, key
+        running = [stats for fqn in parents for stats in self._by_fqn.get(fqn, ())]
+        self.memory_tracking = _Values(running)
+        try:
+            super()._update_peak_stats(peak_state)  # type: ignore[misc]
+        finally:
+            self.memory_tracking = tracking
+
+    def reset_mod_stats(self) -> None:
+        self._by_fqn_key = None
+        super().reset_mod_stats()  # type: ignore[misc]
+
+
+class _Values:
+    """What ``_update_peak_stats`` reads of ``memory_tracking``: its values."""
+
+    def __init__(self, values: list) -> None:
+        self._values = values
+
+    def values(self) -> list:
+        return self._values
 
 
 # -------------------------------------------------------------------------- DCP readers

@@ -56,6 +56,7 @@ from fsdp2lab.parallel.fsdp2 import default_unit_min_params, reshard_all
 from fsdp2lab.plan import RunPlan
 from fsdp2lab.runtime.mesh import build_mesh
 from fsdp2lab.runtime.torch_compat import (
+    ActiveModulePeaks,
     clear_dtensor_caches,
     dtensor_shape_inference,
     pipeline_checks_local_shards,
@@ -408,7 +409,7 @@ def memory_tracker(model, optimizer):
     vocabulary's log-softmax for the vocabulary-parallel loss."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-    class Tracker(SeesShapeInference, FSDPMemTracker):
+    class Tracker(SeesShapeInference, ActiveModulePeaks, FSDPMemTracker):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if self._inferring():
                 return func(*args, **(kwargs or {}))
