@@ -14,10 +14,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import set_checkpoint_early_stop
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    set_checkpoint_early_stop,
+)
 
 from conftest import GPT_TINY, assert_close_lists
+from fixtures import llama3
 from fsdp2lab.errors import UsageError
 from fsdp2lab.models.gpt import GPT, GPTConfig
 from fsdp2lab.models.gpt import SPEC as GPT_SPEC
@@ -26,6 +32,7 @@ from fsdp2lab.parallel.activation_checkpoint import (
     apply_activation_checkpointing,
     checkpointed_units,
     is_checkpointed,
+    op_sac_policy,
 )
 from fsdp2lab.parallel.compile import compile_units
 from fsdp2lab.parallel.tp import apply_tp
@@ -152,22 +159,26 @@ class _BackwardOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _recomputed(model, tokens, tp_mesh=None) -> collections.Counter[str]:
-    """The forward ops that backward runs: ops counted in ``model``'s backward, less those of the
-    same model without AC (its gradient ``mm`` included). The checkpoint's early stop is off, so
-    a unit's recompute runs to the unit's end."""
+def _lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    if isinstance(logits, DTensor):
+        logits = logits.full_tensor()
+    return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def _recomputed(build, units, mode, x, loss=_lm_loss) -> collections.Counter[str]:
+    """The forward ops that backward runs again under AC ``mode``: the ops counted in backward,
+    less those without AC (the gradients' ``mm`` included). The checkpoint's early stop is off,
+    so a unit's recompute runs to the unit's end."""
     counts = []
-    for m in (_model(), model):
-        if tp_mesh is not None and m is not model:
-            apply_tp(m, GPT_SPEC, tp_mesh)
+    for ac in ("none", mode):
+        model = build()
+        apply_activation_checkpointing(model, units, ac)
         with set_checkpoint_early_stop(False):
-            logits = m(tokens[:, :-1])
-            if tp_mesh is not None:
-                logits = logits.full_tensor()
-            loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-            with _BackwardOps() as mode:
-                loss.backward()
-        counts.append(mode.ops)
+            value = loss(model, x)
+            with _BackwardOps() as ops:
+                value.backward()
+        counts.append(ops.ops)
     return counts[1] - counts[0]
 
 
@@ -181,11 +192,7 @@ def test_op_recomputes_half_the_matmuls_and_no_attention():
     up), so it reruns 3 matmuls and no attention, and reruns the cheap ops (layer norms, gelu)
     as full does."""
     tokens = _batches(1)[0]
-    recomputed = {}
-    for mode in ("full", "op"):
-        model = _model()
-        apply_activation_checkpointing(model, UNITS, mode)
-        recomputed[mode] = _recomputed(model, tokens)
+    recomputed = {mode: _recomputed(_model, UNITS, mode, tokens) for mode in ("full", "op")}
     n = len(UNITS)
     cheap = {"native_layer_norm.default": 2 * n, "gelu.default": n}
     assert {k: recomputed["full"][k] for k in ("mm.default", ATTENTION, *cheap)} == {
@@ -205,12 +212,11 @@ def test_op_under_tp_keeps_the_reduce_scatters_and_counts_dtensor_matmuls():
     try:
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
         tokens = _batches(1)[0]
-        recomputed = {}
-        for mode in ("full", "op"):
-            model = _model()
-            apply_tp(model, GPT_SPEC, mesh)
-            apply_activation_checkpointing(model, UNITS, mode)
-            recomputed[mode] = _recomputed(model, tokens, mesh)
+
+        def build():
+            return apply_tp(_model(), GPT_SPEC, mesh)
+
+        recomputed = {m: _recomputed(build, UNITS, m, tokens) for m in ("full", "op")}
     finally:
         dist.destroy_process_group()
         clear_dtensor_caches()
@@ -221,6 +227,67 @@ def test_op_under_tp_keeps_the_reduce_scatters_and_counts_dtensor_matmuls():
         "mm.default": 6 * n, ATTENTION: n, scatter: 2 * n}  # fmt: skip
     assert {k: recomputed["op"][k] for k in keys} == {
         "mm.default": 3 * n, ATTENTION: 0, scatter: 0}  # fmt: skip
+
+
+def test_op_counts_addmm_as_a_matmul():
+    """``nn.Linear`` with a bias dispatches ``addmm``: ``op`` keeps every other one (the 1st and
+    3rd of 4) as it does ``mm``, and reruns the ReLUs."""
+
+    def build():
+        torch.manual_seed(0)
+        layers = [m for _ in range(4) for m in (torch.nn.Linear(8, 8), torch.nn.ReLU())]
+        return torch.nn.Sequential(torch.nn.Sequential(*layers), torch.nn.Linear(8, 1))
+
+    def loss(model, x):
+        return model(x).square().mean()
+
+    x = torch.randn(4, 8)
+    recomputed = {m: _recomputed(build, ["0"], m, x, loss) for m in ("full", "op")}
+    assert (recomputed["full"]["addmm.default"], recomputed["full"]["relu.default"]) == (4, 4)
+    assert (recomputed["op"]["addmm.default"], recomputed["op"]["relu.default"]) == (2, 4)
+
+
+def _llama() -> torch.nn.Module:
+    """The Llama fixture (tests/fixtures/llama3.py), small, without its own AC."""
+    torch.manual_seed(0)
+    return llama3.build(vocab=CFG.vocab_size, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                        hidden=48, max_seq=CFG.seq_len, sac="none")  # fmt: skip
+
+
+def test_op_policy_decides_alike_in_forward_and_recompute():
+    """The policy on a Llama block's ops (7 matmuls: wq wk wv wo w1 w3 w2): the 1st, 3rd, 5th and
+    7th matmul and attention kept, the rest recomputed, and the same decisions again when torch
+    asks in the recompute (a count running on from the forward's 7 would turn them round)."""
+    aten = torch.ops.aten
+    mm, attention = aten.mm.default, aten._scaled_dot_product_flash_attention.default
+    ops = [aten.rsqrt.default, mm, mm, mm, aten.mul.Tensor, attention, mm,
+           aten.add.Tensor, mm, aten.silu.default, mm, mm]  # fmt: skip
+    policy = op_sac_policy()
+    decided = [[policy(SelectiveCheckpointContext(is_recompute=r), op) for op in ops]
+               for r in (False, True)]  # fmt: skip
+    keep, again = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    assert decided[0] == [again, keep, again, keep, again, keep, again, again, keep, again, again,
+                          keep]  # fmt: skip
+    assert decided[1] == decided[0]
+    assert op_sac_policy()(SelectiveCheckpointContext(is_recompute=False), mm) == keep  # fresh
+
+
+def test_op_on_the_llama_fixture():
+    """The Llama fixture's blocks (7 matmuls each) under ``op``: 3 matmuls a block rerun, no
+    attention; 16 Adam steps, every loss and every parameter as without AC, to the bit."""
+    units = ["layers.0", "layers.1"]
+    recomputed = _recomputed(_llama, units, "op", _batches(1)[0])
+    assert (recomputed["mm.default"], recomputed[ATTENTION]) == (3 * len(units), 0)
+    batches = _batches(16)
+    ref_model = _llama()
+    ref = _train(ref_model, batches)
+    model = _llama()
+    apply_activation_checkpointing(model, units, "op")
+    assert _train(model, batches) == ref and ref[-1] < ref[0]
+    for (name, p), (_, q) in zip(
+        model.named_parameters(), ref_model.named_parameters(), strict=True
+    ):
+        assert torch.equal(p, q), name
 
 
 def test_compile_missing_compiler_is_usage_error(monkeypatch):

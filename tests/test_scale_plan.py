@@ -110,7 +110,7 @@ CASES = [
         2,
         [*GPT, "--activation-checkpointing", "op", "--mixed-precision", "bf16"],
         {},
-        (1.0,),
+        (0.997,),
         id="gpt-fsdp2-2-op-bf16",
         marks=pytest.mark.slow,
     ),  # fmt: skip

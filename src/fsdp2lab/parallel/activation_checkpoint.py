@@ -30,13 +30,14 @@ Modes:
   attention (``scaled_dot_product_attention``'s flash, efficient, cuDNN and CPU flash kernels),
   of every other matmul (the 1st, 3rd, ... in the unit's forward; the others are recomputed)
   and of reduce-scatters (tensor parallelism's functional collective), and recomputes the rest
-  (norms, activations, rotary embeddings, elementwise ops): the expensive ops run once, the
-  cheap ones twice.
+  (norms, activations, rotary embeddings, elementwise ops): attention runs once, half the
+  matmuls and the cheap ops twice.
 
 A matmul is ``aten.mm`` or ``aten.addmm``: ``nn.Linear`` without a bias dispatches ``mm`` (of the
-input flattened to 2-D), with one ``addmm`` (the bias added in the same kernel), on every device
-and dtype. torchtitan counts ``mm`` only, which is the same for its bias-free models; counting
-``addmm`` too gives a linear layer with a bias the same policy. Batched matmuls (``bmm``: an
+input flattened to 2-D), with one ``addmm`` (the bias added in the same kernel; ``mm`` and
+``add`` for a non-contiguous input of more than 2 dimensions), in any dtype. torchtitan counts
+``mm`` only, which is the same for its bias-free models; counting ``addmm`` too gives a linear
+layer with a bias the same policy. Batched matmuls (``bmm``: an
 attention written by hand, the math fallback of ``scaled_dot_product_attention``) are
 recomputed. The policy sees each op as it is dispatched at the unit's level: under ``--tp`` a
 ``nn.Linear`` is one ``mm`` on DTensors (the local ``mm`` inside DTensor's dispatch is not seen
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import functools
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -69,6 +71,7 @@ __all__ = [
     "checkpointed_units",
     "is_checkpointed",
     "op_sac_context",
+    "op_sac_policy",
 ]
 _MARK = "_fsdp2lab_checkpointed"
 
@@ -87,10 +90,12 @@ OP_SAC_SAVED = frozenset(
 )
 
 
-def op_sac_context() -> tuple[Any, Any]:
-    """The ``context_fn`` of per-op AC (mode ``op``): a fresh pair of forward and recompute
-    contexts for one checkpointed call. Matmuls are counted separately in the forward and in the
-    recompute, so the recompute keeps (and reuses) the same ones the forward kept."""
+def op_sac_policy() -> Callable[..., CheckpointPolicy]:
+    """A fresh policy of per-op AC (mode ``op``) for one checkpointed call, as
+    ``create_selective_checkpoint_contexts`` takes it: ``MUST_SAVE`` for the 1st, 3rd, ...
+    matmul and the ops of ``OP_SAC_SAVED``, ``PREFER_RECOMPUTE`` for the rest. Matmuls are
+    counted apart in the forward and in the recompute, so both keep the same ones (torch asks
+    the policy again in the recompute up to pytorch#176455; later it replays the forward's)."""
     counts = {False: 0, True: 0}  # by ctx.is_recompute
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -101,7 +106,13 @@ def op_sac_context() -> tuple[Any, Any]:
             keep = func in OP_SAC_SAVED
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
-    return create_selective_checkpoint_contexts(policy)
+    return policy
+
+
+def op_sac_context() -> tuple[Any, Any]:
+    """The ``context_fn`` of per-op AC: the forward and recompute contexts of one checkpointed
+    call, under a fresh ``op_sac_policy``."""
+    return create_selective_checkpoint_contexts(op_sac_policy())
 
 
 def checkpointed_units(units: list[str], mode: str) -> list[str]:
