@@ -1,11 +1,12 @@
-"""Peak memory of one GPT training step with activation checkpointing none / full / selective (CPU).
+"""Peak memory of one GPT training step with activation checkpointing none / full / selective / op (CPU).
 
 Every mode runs ``--repeats`` times, each in a fresh process (one warm-up step, then measured
 steps); the table shows medians. Three measures, from the most to the least exact:
 
-* ``saved MiB``: bytes kept for backward at the end of forward: unique storages autograd saved
-  (``saved_tensors_hooks``; parameters left out) plus the inputs a checkpointed unit holds for its
-  recompute. The activation memory AC is about; deterministic.
+* ``saved MiB``: bytes forward leaves for backward: the storages it creates that are still alive
+  when it ends (what autograd saved, the inputs a checkpointed unit holds for its recompute, the
+  outputs per-op AC keeps, the logits and the loss). The activation memory AC is about;
+  deterministic.
 * ``peak MiB``: peak bytes of live tensors created during forward + backward + optimizer step
   (a ``TorchDispatchMode`` adds each new storage's size and a finalizer takes it off): what
   ``torch.cuda.max_memory_allocated`` would count on a GPU, less what existed before the step.
@@ -28,7 +29,7 @@ import sys
 import time
 import weakref
 
-MODES = ("none", "full", "selective")
+MODES = ("none", "full", "selective", "op")
 
 
 def _rss_bytes() -> int:
@@ -60,10 +61,7 @@ def child(args: argparse.Namespace) -> dict:
     from torch.utils._pytree import tree_flatten
 
     from fsdp2lab.models.gpt import GPT, GPTConfig
-    from fsdp2lab.parallel.activation_checkpoint import (
-        apply_activation_checkpointing,
-        is_checkpointed,
-    )
+    from fsdp2lab.parallel.activation_checkpoint import apply_activation_checkpointing
 
     torch.manual_seed(0)
     cfg = GPTConfig(
@@ -99,41 +97,10 @@ def child(args: argparse.Namespace) -> dict:
     seconds = time.perf_counter() - t0
     rss_peak = _peak_rss_bytes() if can_reset else None
 
-    # 2. bytes saved for backward at the end of forward
-    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def keep(t: torch.Tensor) -> None:
-        st = t.untyped_storage()
-        if st.data_ptr() not in param_ptrs and st.nbytes():
-            saved[st.data_ptr()] = st.nbytes()
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        keep(t)
-        return t
-
-    def keep_inputs(_module: torch.nn.Module, inputs: tuple) -> None:
-        for x in inputs:
-            if isinstance(x, torch.Tensor):
-                keep(x)
-
-    hooks = [
-        model.get_submodule(u).register_forward_pre_hook(keep_inputs)
-        for u in units
-        if is_checkpointed(model.get_submodule(u))
-    ]
-    opt.zero_grad(set_to_none=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = forward()
-    saved_bytes = sum(saved.values())
-    loss.backward()
-    for h in hooks:
-        h.remove()
-
-    # 3. peak bytes of tensors created during a whole step
     class LiveBytes(TorchDispatchMode):
-        def __init__(self) -> None:
+        def __init__(self, ignore: frozenset[int] = frozenset()) -> None:
             super().__init__()
+            self.ignore = ignore  # storages that existed before (their views are not new)
             self.live: dict[int, int] = {}
             self.now = self.peak = 0
 
@@ -146,13 +113,23 @@ def child(args: argparse.Namespace) -> dict:
                 if isinstance(t, torch.Tensor):
                     st = t.untyped_storage()
                     ptr = st.data_ptr()
-                    if ptr and ptr not in self.live:
+                    if ptr and ptr not in self.live and ptr not in self.ignore:
                         self.live[ptr] = st.nbytes()
                         self.now += st.nbytes()
                         self.peak = max(self.peak, self.now)
                         weakref.finalize(st, self._gone, ptr)
             return out
 
+    # 2. bytes forward leaves for backward: new storages still alive when it ends
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    before = frozenset(t.untyped_storage().data_ptr() for t in [*model.parameters(), *state])
+    opt.zero_grad(set_to_none=True)
+    with LiveBytes(before) as left:
+        loss = forward()
+    saved_bytes = left.now
+    loss.backward()
+
+    # 3. peak bytes of tensors created during a whole step
     with LiveBytes() as tracker:
         step()
     return {

@@ -106,6 +106,14 @@ CASES = [
         id="gpt-fsdp2-2-ac-bf16",
         marks=pytest.mark.slow,
     ),  # fmt: skip
+    pytest.param(
+        2,
+        [*GPT, "--activation-checkpointing", "op", "--mixed-precision", "bf16"],
+        {},
+        (0.997,),
+        id="gpt-fsdp2-2-op-bf16",
+        marks=pytest.mark.slow,
+    ),  # fmt: skip
     pytest.param(2, MLP, {}, (0.937,), id="mlp-fsdp2-2", marks=pytest.mark.slow),
     pytest.param(2, CNN, {}, (0.931,), id="cnn-fsdp2-2", marks=pytest.mark.slow),
     pytest.param(
@@ -196,6 +204,33 @@ def test_plan_state_equals_trainer_metrics(tmp_path):
     planned = simulate(plan_of(2, flags), device_type="cpu")
     for key, value in planned.state.items():
         assert summary[key] == [value, value], (key, summary[key], value)
+
+
+LLAMA = str(ROOT / "tests" / "fixtures" / "llama3.py")
+
+
+def test_plan_op_ac_is_the_fixtures_own_per_op_ac():
+    """``--activation-checkpointing op`` on the Llama fixture without its own AC (``sac="none"``)
+    plans the same peak and FLOPs, to the byte, as the fixture's own per-op AC (``sac="op"``:
+    torchtitan's, in the model's code): the flag is what torchtitan published. It sits between
+    no AC and full AC, in memory and in recomputed FLOPs. The gpt's plan takes the flag too."""
+    size = "vocab=512,dim=128,n_layers=2,n_heads=4,n_kv_heads=2,hidden=256,max_seq=64"
+    flags = ["--model", f"{LLAMA}:build", "--loss", f"{LLAMA}:loss", "--vocab-size", "512",
+             "--seq-len", "64", "--batch-size", "2", "--mixed-precision", "bf16"]  # fmt: skip
+
+    def plan(sac: str, ac: str):
+        args = [*flags, "--model-args", f'{size},sac="{sac}"', "--activation-checkpointing", ac]
+        return simulate(plan_of(2, args))
+
+    own, flag = plan("op", "none"), plan("none", "op")
+    assert (flag.peak_bytes, flag.flops) == (own.peak_bytes, own.flops)
+    none, full = plan("none", "none"), plan("none", "full")
+    assert full.peak_bytes < flag.peak_bytes < none.peak_bytes
+    assert none.flops < flag.flops < full.flops
+    assert flag.forward_flops == none.forward_flops
+    text = run_cli(["plan", *GPT, "--world-size", "8", "--activation-checkpointing", "op"])
+    assert text.returncode == 0, text.stderr
+    assert ", AC op" in text.stdout
 
 
 def test_plan_json_at_scale():

@@ -41,10 +41,12 @@ def test_ac_memory_table_shows_full_checkpointing_saving_the_least():
         for line in out.splitlines()[2:]
         if line.strip()
     }
-    assert list(rows) == ["none", "full", "selective"], out
+    assert list(rows) == ["none", "full", "selective", "op"], out
     saved = {mode: values[0] for mode, values in rows.items()}
-    # Full recomputes every block and keeps only its input; selective every other block.
+    # Full recomputes every block and keeps only its input; selective every other block; op keeps
+    # every block's attention and every other matmul, recomputes the rest.
     assert saved["full"] < saved["selective"] < saved["none"], out
+    assert saved["full"] < saved["op"] < saved["none"], out
     assert all(values[1] > 0 for values in rows.values()), out  # a peak was measured
 
 

@@ -29,7 +29,7 @@ DATASETS = ("auto", "mnist", "fashion-mnist", "cifar10", "synthetic", "text")
 OPTIMIZERS = ("adadelta", "adam", "adamw", "sgd")
 SCHEDULERS = ("step", "cosine", "constant")
 PRECISIONS = ("fp32", "bf16", "fp16")
-AC_MODES = ("none", "full", "selective")
+AC_MODES = ("none", "full", "selective", "op")
 RECIPES = ("tuned", "seed")
 DEFAULT_LR = {"adadelta": 1.0, "adam": 1e-3, "adamw": 1e-3, "sgd": 0.01}
 # A recipe's values that only make sense together: set one of them and the recipe sets none.
@@ -183,7 +183,8 @@ class TrainConfig:
     activation_checkpointing: str = _opt(
         "none",
         "recompute unit activations in backward: none | full (every unit) | selective (every "
-        "other unit: the 1st, 3rd, ...)",
+        "other unit: the 1st, 3rd, ...) | op (every unit keeps its attention and every other "
+        "matmul's output, recomputes the rest)",
         choices=AC_MODES,
     )
     compile: bool = _opt(
