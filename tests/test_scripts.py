@@ -4,6 +4,7 @@ test_multinode.py, test_two_hosts.py.)"""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -79,3 +80,18 @@ def test_seed_fsdp1_script_trains_an_epoch_and_times_the_target(tmp_path):
     )
     assert accuracy and float(accuracy[1]) >= 50, out
     assert re.search(r"^Time to 50%: \d+\.\ds \(epoch 1\)$", out, re.M), out
+
+
+def test_cpu_time_check_prints_the_plan_beside_the_real_step(tmp_path):
+    row = "gpt L8 d32 b2 s16"
+    out = _run(str(SCRIPTS / "cpu_time_check.py"), "--rows", row, "--repeats", "1",
+               "--steps", "4", "--warmup", "2", "--json", str(tmp_path / "t.json"))  # fmt: skip
+    number = r"[\d.]+ \S+ \([\d.]+-[\d.]+\)"  # the median of the rounds (their range)
+    assert re.search(f"fp32 matmul {number}, copy {number}, one op {number}", out), out
+    (line,) = [line for line in out.splitlines() if line.startswith(f"| {row} |")]
+    result = json.loads((tmp_path / "t.json").read_text())
+    plan = result["plan"][row]
+    parts = ("matmul", "attention", "memory", "launch", "other")
+    assert plan["step"] == pytest.approx(sum(plan[k] for k in parts))  # nothing overlaps
+    assert plan["launch"] > 0 and result["real_step_ms"][row][0] > 0, line
+    assert result["profiled"][row]["step"] > 0, line

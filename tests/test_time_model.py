@@ -3,6 +3,8 @@ follows from the constants in ``scale.gpus``, and on a plan's own trace."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from fsdp2lab.scale.gpus import GPUS, LAUNCH_S, MATMUL_TILE
@@ -116,3 +118,24 @@ def test_the_optimizer_is_timed_by_its_bytes_when_fused_and_from_its_ops_otherwi
     assert fused_t.optimizer_s == pytest.approx(32 * MB / 3.35e12)
     assert loop_t.optimizer_s == pytest.approx(3 * 64 * MB / 3.35e12)
     assert fused_t.kernels == loop_t.kernels == 1
+
+
+def test_where_the_host_runs_the_kernels_the_step_is_every_launch_and_run_in_turn():
+    cpu = dataclasses.replace(
+        H100, tile=(1, 1), sms=1, launch_s=5e-6, host_runs_kernels=True, mamf_tflops=1e-3
+    )
+    a = mm(100, 30, 7, reads=(10, 11), writes=(12,))  # 2 tiles of 128 on the GPU: no waves here
+    gather = Op("collective", 0, 0, (20,), (21,), dim="dp_shard", wire_bytes=100 * MB)
+    ops = [gather, a, mem(8 * MB, [12], [13]), mem(1024, [13], [14])]
+    t = step_time(ops, cpu, compiled=False, links=LINKS, optimizer_bytes=4 * MB)
+    matmul = a.flops / 1e9
+    memory = (8 * MB + 1024) / (cpu.hbm_tbs * 1e12)
+    comm = 100 * MB / 450e9 + 10e-6
+    optimizer = 4 * MB / (cpu.hbm_tbs * 1e12)
+    assert t.busy["matmul"] == pytest.approx(matmul)
+    assert t.step_s == pytest.approx(5 * 5e-6 + matmul + memory + comm + optimizer)
+    assert (t.kernels, t.launch_bound_s, t.exposed_comm_s) == (
+        4,
+        pytest.approx(25e-6),
+        pytest.approx(comm),
+    )

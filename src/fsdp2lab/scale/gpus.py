@@ -48,6 +48,11 @@ class GPU:
     sms: int  # streaming multiprocessors (compute units)
     mamf_tflops: float  # maximum achievable matmul bf16 TFLOP/s (a microbenchmark, MAMF)
     attention_efficiency: float  # flash attention's achieved / peak bf16 FLOP/s
+    tile: tuple[int, int] = MATMUL_TILE  # a matmul's output tile: (1, 1) where there are no waves
+    launch_s: float = LAUNCH_S  # the host's time to issue one op
+    # The host thread that issues a kernel runs it (a CPU): no op overlaps another, and a step
+    # takes the sum of every op's launch and run.
+    host_runs_kernels: bool = False
 
 
 GPUS: dict[str, GPU] = {

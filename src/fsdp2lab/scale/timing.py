@@ -13,14 +13,16 @@ Each op's time on its stream:
   network across nodes) plus a latency per call.
 
 Streams, as the GPU runs them: the host issues ops one after another, each costing it
-``LAUNCH_S`` in eager mode (a kernel cannot start before it is issued); the compute stream runs
+``launch_s`` in eager mode (a kernel cannot start before it is issued); the compute stream runs
 its kernels in order; every mesh dimension's collectives (with FSDP2's copies into their
 buffers) run on a side stream of their own, each starting when issued and when the compute
 stream has run what was issued before it (the stream waits FSDP2 and c10d put in); an op that
 reads a collective's output waits for it; the ops that finish a data-parallel reduction (FSDP2's
 division and copy into the sharded gradients) run on its stream. So FSDP2's prefetched all-gathers and its
 reduce-scatters overlap compute as far as the order of issue allows, and tensor-parallel
-collectives, whose outputs the next op reads, sit on the critical path.
+collectives, whose outputs the next op reads, sit on the critical path. Where the host runs
+the kernels itself (a CPU: ``GPU.host_runs_kernels``), nothing overlaps: the step is every op's
+launch and run in turn.
 
 Under ``--compile``, each run of consecutive elementwise and reduction ops becomes one kernel
 that reads what the run takes from outside and writes what it does not consume itself.
@@ -36,7 +38,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from fsdp2lab.scale.gpus import GPU, LAUNCH_S, MATMUL_TILE
+from fsdp2lab.scale.gpus import GPU
 from fsdp2lab.scale.op_trace import Op
 
 KINDS = ("matmul", "attention", "memory", "collective")
@@ -58,7 +60,7 @@ class StepTime:
 
 def matmul_s(gpu: GPU, flops: int, nbytes: int, mnk: tuple[int, int, int]) -> float:
     m, n, _ = mnk
-    tm, tn = MATMUL_TILE
+    tm, tn = gpu.tile
     tiles = math.ceil(m / tm) * math.ceil(n / tn)
     waves = math.ceil(tiles / gpu.sms)
     useful = (m * n) / (waves * gpu.sms * tm * tn) if tiles else 1.0
@@ -139,6 +141,8 @@ def step_time(
     own ops from the trace. ``timeline``: a list to append (op, stream, start, end) to."""
     if compiled:
         ops = fused(ops)
+    if gpu.host_runs_kernels:
+        return _host_step(ops, gpu, links, optimizer_bytes)
     host = gpu_free = copied_out = 0.0
     side_free: dict[str, float] = defaultdict(float)
     ready: dict[int, float] = {}
@@ -153,7 +157,7 @@ def step_time(
         if op.optimizer:
             optimizer_ops.append(op)
             continue
-        host += LAUNCH_S
+        host += gpu.launch_s
         inputs = max((ready.get(s, 0.0) for s in op.reads), default=0.0)
         finishing = op.kind == "memory" and not op.fsdp and side_made.intersection(op.reads)
         if post_reduce and not finishing:
@@ -207,6 +211,42 @@ def step_time(
         comm=dict(comm),
         exposed_comm_s=exposed,
         launch_bound_s=launch_bound,
+        kernels=kernels,
+        optimizer_s=optimizer_s,
+    )
+
+
+def _host_step(
+    ops: list[Op], gpu: GPU, links: dict[str, tuple[float, float]], optimizer_bytes: int | None
+) -> StepTime:
+    """The step where the host runs each kernel it issues: every op's launch and run in turn
+    (``launch_bound_s``: the launches; every collective's time is exposed)."""
+    busy = dict.fromkeys(("matmul", "attention", "memory"), 0.0)
+    comm: dict[str, float] = defaultdict(float)
+    kernels = 0
+    optimizer_s = 0.0
+    if optimizer_bytes is not None:  # one fused kernel
+        kernels, optimizer_s = 1, optimizer_bytes / (gpu.hbm_tbs * 1e12)
+    for i, op in enumerate(ops):
+        if op.kind == "collective":
+            dim = op.dim or _next_dim(ops, i)
+            gbs, latency = links[dim]
+            comm[dim] += op.wire_bytes / (gbs * 1e9) + latency
+        elif op.optimizer:
+            if optimizer_bytes is None:
+                kernels += 1
+                optimizer_s += kernel_s(gpu, op)
+        else:
+            kernels += 1
+            busy[op.kind if op.kind in busy else "memory"] += kernel_s(gpu, op)
+    launches = kernels + sum(op.kind == "collective" for op in ops)
+    comm_s = sum(comm.values())
+    return StepTime(
+        step_s=launches * gpu.launch_s + sum(busy.values()) + comm_s + optimizer_s,
+        busy=busy,
+        comm=dict(comm),
+        exposed_comm_s=comm_s,
+        launch_bound_s=launches * gpu.launch_s,
         kernels=kernels,
         optimizer_s=optimizer_s,
     )
