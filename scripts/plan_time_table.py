@@ -1,7 +1,7 @@
 """docs/scale.md's time check table: each published or measured run the tests check
 (tests/test_scale_published.py, tests/test_hf_plan.py), planned, with where its step goes.
 
-    PYTHONPATH=src:tests python scripts/plan_time_table.py
+    python scripts/plan_time_table.py
 
 Prints one markdown row per run: the plan's tokens/s per GPU, the run's, the error, and the
 plan's step broken down (ms of matmul, attention and memory-bound kernels on the compute stream,

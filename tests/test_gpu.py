@@ -350,3 +350,19 @@ def test_gpu_table_the_plan_tracks_fsdp2s_peak(table_rows):
 def test_gpu_table_fsdp2_keeps_up_with_the_fused_loop(table_rows):
     fsdp2, fused = table_rows["fsdp2"], table_rows["plain-fused"]
     assert fsdp2["tokens_per_s"] >= 0.97 * fused["tokens_per_s"]
+
+
+def test_gpu_constants_measures_each_constant_of_the_time_model(tmp_path):
+    """scripts/gpu_constants.py, briefly: every figure the plan's time model takes, each within
+    what the hardware allows (a matmul rate below the dense peak, a copy below ~10 TB/s)."""
+    out = tmp_path / "constants.json"
+    script = Path(__file__).parents[1] / "scripts" / "gpu_constants.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--warmup-s", "2", "--iters", "3", "--repeats", "1",
+         "--json", str(out)],
+        capture_output=True, text=True, env=cli_env(), timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    c = json.loads(out.read_text())
+    assert 0 < c["mamf_tflops"] <= 2500 and len(c["matmul_shapes"]) == 9
+    assert 0 < c["hbm_tbs"] < 10 and 0 < c["attention_efficiency"] < 1 and 0 < c["launch_s"] < 1e-3

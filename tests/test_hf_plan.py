@@ -10,10 +10,13 @@ flash kernel (output and log-sum-exp saved), not a path that materialises the sc
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import cli_env, run_cli
 from fsdp2lab.cli import build_parser
 from fsdp2lab.config import config_from_args
 from fsdp2lab.plan import resolve
@@ -174,3 +177,18 @@ def test_h200_rows_within_10_percent(tmp_path, row):
     flags = [*H200_FLAGS, "--world-size", "1", "--gpu", "h200"]
     rate = plan_json(folder, *flags, *(["--compile"] if compile else []))["tokens_per_s_per_gpu"]
     assert abs(rate - measured) <= 0.10 * measured, rate
+
+
+def test_the_time_table_plans_every_checked_run():
+    """scripts/plan_time_table.py (docs/scale.md's table): one row per run the tests above and
+    tests/test_scale_published.py check, each with its error and a step that adds up."""
+    script = Path(__file__).parents[1] / "scripts" / "plan_time_table.py"
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=cli_env()
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines()[2:]]
+    assert len(rows) == 8, proc.stdout
+    for cells in rows:
+        plan, measured = (float(c.replace(",", "")) for c in cells[1:3])
+        assert cells[3].strip() == f"{plan / measured - 1:+.0%}"
