@@ -13,9 +13,9 @@ import pytest
 from fsdp2lab.cli import build_parser, main
 from fsdp2lab.config import config_from_args
 from fsdp2lab.plan import resolve
-from fsdp2lab.scale.estimate import GIB, NON_TORCH_GIB
+from fsdp2lab.scale.estimate import GIB, NON_TORCH_GIB, Hardware
 from fsdp2lab.scale.gpus import get_gpu
-from fsdp2lab.scale.search import derive
+from fsdp2lab.scale.search import derive, search
 from fsdp2lab.scale.simulate import simulate
 
 GPT = ["--model", "gpt", "--n-layers", "2", "--d-model", "64", "--seq-len", "256",
@@ -55,6 +55,14 @@ def test_search_where_memory_rules_out_the_fastest(capsys):
         assert planned["fits"] is True
         for key in ("tokens_per_s_per_gpu", "mfu", "reserved_bytes_per_rank", "peak_phase"):
             assert planned[key] == e[key], (e["command"], key)
+    # the pruned search's five are the exhaustive search's (--tp 1 also kept: fewer layouts)
+    cfg = config_from_args(build_parser().parse_args(["train", *GPT, "--tp", "1", "--pp", "1"]))
+    hw = Hardware(get_gpu("a100-40gb"), 8, 50.0, margin=float(margin))
+    pruned, every = (search(cfg, 2, hw, ("tp", "pp"), prune=p) for p in (True, False))
+    assert pruned["simulated"] < every["simulated"] and every["pruned_by_speed"] == 0
+    assert [e["tokens_per_s_per_gpu"] for e in pruned["top"]] == [
+        e["tokens_per_s_per_gpu"] for e in every["top"]
+    ]
     assert main(["plan", *GPT, *WORLD, "--memory-margin", margin, "--search"]) == 0
     text = capsys.readouterr().out
     assert text.count("fsdp2lab train ") == 5 and "1. " in text and "tokens/s/GPU" in text

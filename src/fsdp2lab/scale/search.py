@@ -253,10 +253,16 @@ def derive(plan, runs: list, replicas: int) -> tuple:
 
 
 def search(
-    cfg: TrainConfig, world_size: int, hw: Hardware, given: Iterable[str] = (), top: int = TOP
+    cfg: TrainConfig,
+    world_size: int,
+    hw: Hardware,
+    given: Iterable[str] = (),
+    top: int = TOP,
+    prune: bool = True,
 ) -> dict:
     """The ``--json`` object of ``fsdp2lab plan --search``; UsageError where nothing fits.
-    ``given``: the searched flags on the command line, kept as given (:func:`check_args`)."""
+    ``given``: the searched flags on the command line, kept as given (:func:`check_args`);
+    ``prune=False``: simulate (or derive) every layout."""
     from fsdp2lab.plan import resolve
     from fsdp2lab.scale.report import summarize
     from fsdp2lab.scale.simulate import simulate, stage_ranks
@@ -279,6 +285,8 @@ def search(
         return fit[top - 1] if len(fit) >= top else 0.0
 
     def skip(layout: Layout) -> str | None:
+        if not prune:
+            return None
         bar = fifth()
         for a, f in figures.items():
             if not f["fits"] and leaner(a, layout):
