@@ -18,8 +18,8 @@ from fsdp2lab.scale.gpus import get_gpu
 from fsdp2lab.scale.search import derive, search
 from fsdp2lab.scale.simulate import simulate
 
-GPT = ["--model", "gpt", "--n-layers", "2", "--d-model", "64", "--seq-len", "256",
-       "--global-batch-size", "4", "--mixed-precision", "bf16", "--optimizer", "adamw"]  # fmt: skip
+GPT = ["--model", "gpt", "--n-layers", "2", "--d-model", "128", "--seq-len", "1024",
+       "--global-batch-size", "8", "--mixed-precision", "bf16", "--optimizer", "adamw"]  # fmt: skip
 WORLD = ["--world-size", "2", "--gpu", "a100-40gb", "--pp", "1"]  # --pp 1: kept, a shorter search
 FIXTURE = str(Path(__file__).parent / "fixtures" / "llama3.py")
 
@@ -55,10 +55,12 @@ def test_search_where_memory_rules_out_the_fastest(capsys):
         assert planned["fits"] is True
         for key in ("tokens_per_s_per_gpu", "mfu", "reserved_bytes_per_rank", "peak_phase"):
             assert planned[key] == e[key], (e["command"], key)
-    # the pruned search's five are the exhaustive search's (--tp 1 also kept: fewer layouts)
-    cfg = config_from_args(build_parser().parse_args(["train", *GPT, "--tp", "1", "--pp", "1"]))
+    # the pruned search's five are the exhaustive search's (--tp 1, layer units: fewer layouts)
+    kept = ["--tp", "1", "--pp", "1", "--fsdp-units", "layer"]
+    cfg = config_from_args(build_parser().parse_args(["train", *GPT, *kept]))
     hw = Hardware(get_gpu("a100-40gb"), 8, 50.0, margin=float(margin))
-    pruned, every = (search(cfg, 2, hw, ("tp", "pp"), prune=p) for p in (True, False))
+    given = ("tp", "pp", "fsdp_units")
+    pruned, every = (search(cfg, 2, hw, given, prune=p) for p in (True, False))
     assert pruned["simulated"] < every["simulated"] and every["pruned_by_speed"] == 0
     assert [e["tokens_per_s_per_gpu"] for e in pruned["top"]] == [
         e["tokens_per_s_per_gpu"] for e in every["top"]
@@ -101,14 +103,14 @@ def test_search_bad_input_is_one_line(capsys, extra, message):
     argv = ["plan", *GPT, *WORLD, "--search", *extra]
     if "--batch-size" in extra:
         argv.remove("--global-batch-size")
-        argv.remove("4")
+        argv.remove("8")
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
 
 
 def test_search_needs_a_global_batch(capsys):
-    argv = [a for a in GPT if a not in ("--global-batch-size", "4")]
+    argv = [a for a in GPT if a not in ("--global-batch-size", "8")]
     assert main(["plan", *argv, *WORLD, "--search"]) == 2
     assert capsys.readouterr().err.strip() == (
         "fsdp2lab: error: fsdp2lab plan --search needs --global-batch-size (samples per step)"

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from fsdp2lab.config import _FIELDS, AC_MODES, TrainConfig
 from fsdp2lab.errors import UsageError
-from fsdp2lab.scale.estimate import GIB, Hardware
+from fsdp2lab.scale.estimate import Hardware
 
 TOP = 5
 # The flags a search chooses; one given is kept fixed, but for --batch-size and --dp-shard.
@@ -264,7 +264,7 @@ def search(
     ``given``: the searched flags on the command line, kept as given (:func:`check_args`);
     ``prune=False``: simulate (or derive) every layout."""
     from fsdp2lab.plan import resolve
-    from fsdp2lab.scale.report import summarize
+    from fsdp2lab.scale.report import _gib, summarize
     from fsdp2lab.scale.simulate import simulate, stage_ranks
 
     fixed = check_args(cfg, given)
@@ -299,9 +299,23 @@ def search(
         dp = world_size // (layout.tp * layout.pp)
         return layout if dp // layout.r == 1 else dataclasses.replace(layout, r=1)
 
-    order = sorted(layouts, key=lambda x: (x.pp, x.tp, _ac_order(x.ac), x.k,
-                                            UNITS.index(x.units), x.reshard != "true",
-                                            SCHEDULES.index(x.schedule), x.n, x.r))  # fmt: skip
+    # Each family of layouts alike but for AC, accumulation and resharding: its fastest corner
+    # first (were it no faster than the fifth, the rest would not be), then its leanest (were it
+    # not to fit, the rest would not).
+    ks = {}
+    for x in layouts:
+        fam = (x.tp, x.pp, x.n, x.schedule, x.units)
+        ks[fam] = (min(x.k, ks.get(fam, (x.k, x.k))[0]), max(x.k, ks.get(fam, (x.k, x.k))[1]))
+
+    def corner(x: Layout) -> int:
+        low, high = ks[x.tp, x.pp, x.n, x.schedule, x.units]
+        if x.ac == "none" and x.k == low and x.reshard == RESHARD[-1]:
+            return 0
+        return 1 if x.ac == "full" and x.k == high and x.reshard == "true" else 2
+
+    order = sorted(layouts, key=lambda x: (x.pp, x.tp, x.n, SCHEDULES.index(x.schedule),
+                                            UNITS.index(x.units), corner(x), _ac_order(x.ac),
+                                            x.k, x.reshard != "true", x.r))  # fmt: skip
     done: set[Layout] = set()
     for layout in order:
         if layout in figures or layout in done:
@@ -325,13 +339,15 @@ def search(
                 figures[x] = summarize(derived_plan, hw, runs=derived_runs)
                 counts["derived"] += 1
 
-    ranked = sorted((x for x in figures if figures[x]["fits"]),
-                    key=lambda x: -figures[x]["tokens_per_s_per_gpu"])  # fmt: skip
+    def speed(f: dict) -> tuple[float, int]:  # the fastest first; of equals, the leanest
+        return -f["tokens_per_s_per_gpu"], f["reserved_bytes_per_rank"]
+
+    ranked = sorted((x for x in figures if figures[x]["fits"]), key=lambda x: speed(figures[x]))
     if not ranked:
         leanest = min(figures.values(), key=lambda f: f["reserved_bytes_per_rank"])
         raise UsageError(
-            f"no layout fits: the leanest searched needs {leanest['reserved_bytes_per_rank'] / GIB:,.1f} "
-            f"GiB reserved of the {hw.gpu.description}'s {hw.gpu.hbm_gib:g} GiB (margin "
+            f"no layout fits: the leanest searched needs {_gib(leanest['reserved_bytes_per_rank'])} "
+            f"reserved of the {hw.gpu.description}'s {hw.gpu.hbm_gib:g} GiB (margin "
             f"{hw.margin:.0%}); try more GPUs, a bigger GPU or a smaller --global-batch-size"
         )
     best: list[tuple[Layout, dict]] = []
@@ -341,7 +357,7 @@ def search(
         f = figures[x] if x in exact else summarize(resolve(x.config(cfg), world_size, "cuda"), hw)
         if f["fits"]:
             best.append((x, f))
-    best.sort(key=lambda pair: -pair[1]["tokens_per_s_per_gpu"])
+    best.sort(key=lambda pair: speed(pair[1]))
     return {
         "model": cfg.model,
         "world_size": world_size,
@@ -399,8 +415,6 @@ def _ms(seconds: float) -> str:
 
 
 def format_search(r: dict) -> str:
-    from fsdp2lab.scale.report import _gib
-
     lines = [
         f"search: {r['model']} on {r['world_size']} x {r['gpu']}, global batch "
         f"{r['global_batch']} x {r['seq_len']} tokens: {r['layouts']} layouts, "
@@ -418,6 +432,8 @@ def format_search(r: dict) -> str:
             for k, v in t.items()
             if k != "step_s" and isinstance(v, (int, float)) and v > 0
         )
+        from fsdp2lab.scale.report import _gib
+
         lines.append(
             f"{i}. {e['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, MFU {e['mfu']:.1%}, reserved "
             f"{_gib(e['reserved_bytes_per_rank'])} (peak: {e['peak_phase']}), "
