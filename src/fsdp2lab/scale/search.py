@@ -24,7 +24,8 @@ or equal step time, all else equal). Leaner: AC ``full`` than any mode, any than
 1F1B than GPipe; fewer replicas. Faster: AC ``none`` than any mode, any than ``full``; fewer
 ``--grad-accum-steps``; not resharding after forward. A layout is not simulated where a leaner one
 does not fit, or where a faster one (fitting or not) is already no faster than the fifth fastest
-that fits.
+that fits. Each family (layouts alike but for AC, accumulation and resharding) starts at its fastest
+corner, then its leanest. Of layouts equally fast, the leaner ranks first.
 
 The fastest five are then planned exactly, as ``fsdp2lab plan`` plans them (each with its own
 simulation): the figures printed are exact, and their order is by those.
