@@ -38,6 +38,13 @@ def register(subparsers) -> None:
         default=estimate.DEFAULT_MARGIN,
         help="fraction of the GPU's memory to keep free (default: %(default)s)",
     )
+    p.add_argument(
+        "--search",
+        action="store_true",
+        help="search the layouts (HSDP/FSDP degrees, --tp, --pp and its schedule, AC, units, "
+        "resharding, gradient accumulation) of --global-batch-size on these GPUs, and print the "
+        "fastest five that fit, each with its train flags (a searched flag given is kept)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=guarded(cmd_plan))
 
@@ -64,6 +71,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not 0 <= args.memory_margin < 1 or args.inter_node_gbs <= 0:
         raise UsageError("--memory-margin must be in [0, 1), --inter-node-gbs > 0")
     hw = Hardware(get_gpu(args.gpu), nproc, args.inter_node_gbs, args.memory_margin)
+    if args.search:
+        from fsdp2lab.scale.search import SEARCHED, format_search, search
+
+        given = [name for name in SEARCHED if getattr(args, name, None) is not None]
+        found = search(cfg, world_size(args, nproc), hw, given)
+        print(json.dumps(found, indent=1) if args.json else format_search(found))
+        return 0
     report = plan_report(cfg, world_size(args, nproc), hw)
     print(json.dumps(report, indent=1) if args.json else format_report(report))
     return 0

@@ -19,7 +19,7 @@ from fsdp2lab.scale.estimate import (
     Hardware,
     estimate,
 )
-from fsdp2lab.scale.simulate import simulate, stage_ranks
+from fsdp2lab.scale.simulate import RoleRun, simulate, stage_ranks
 
 MODELLED = (
     "model, mesh (--dp-replicate, --dp-shard, --tp), batch, --seq-len, --grad-accum-steps, "
@@ -34,10 +34,13 @@ NOT_MODELLED = {
 }
 
 
-def summarize(plan: RunPlan, hw: Hardware) -> dict:
+def summarize(plan: RunPlan, hw: Hardware, runs: list[RoleRun] | None = None) -> dict:
     """Simulate and estimate every distinct rank role of ``plan``: one (every rank alike), or
-    one per pipeline stage under --pp. The per-rank figures are the worst role's."""
-    roles = [estimate(plan, simulate(plan, rank=rank), hw) for rank in stage_ranks(plan)]
+    one per pipeline stage under --pp. The per-rank figures are the worst role's. ``runs``: the
+    roles' simulations, where they are at hand (:func:`stage_ranks`' order)."""
+    if runs is None:
+        runs = [simulate(plan, rank=rank) for rank in stage_ranks(plan)]
+    roles = [estimate(plan, run, hw) for run in runs]
     worst = max(roles, key=lambda r: r["memory"]["peak_bytes"])
     # Per phase, the worst role's figures; the phase that sets the run's peak reserved memory.
     phases: dict[str, dict] = {}

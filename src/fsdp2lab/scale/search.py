@@ -1,0 +1,477 @@
+"""``fsdp2lab plan --search``: the fastest layouts of a run that fit, over every layout fsdp2lab
+can train on the given GPUs and global batch.
+
+A layout is: the data-parallel split (``--dp-replicate``, HSDP when > 1, the rest sharded), ``--tp``,
+``--pp`` with ``--pp-schedule`` and ``--pp-microbatches`` (``--pp`` or 2 x ``--pp``, dividing the
+micro-batch), ``--activation-checkpointing`` (every mode of ``config.AC_MODES``), ``--fsdp-units``
+(``auto`` only where it groups the units otherwise than ``layer``), ``--reshard-after-forward``
+true/false, and ``--grad-accum-steps`` (every divisor of the per-rank batch; the micro-batch follows).
+Each is checked by :func:`fsdp2lab.plan.resolve`; those it refuses are skipped. A searched flag
+given (``--tp 1``, ``--activation-checkpointing full``, ...) is kept as given.
+
+**Derived figures.** A rank role's trace depends on everything but the data-parallel split: layouts
+differing only in ``--dp-replicate`` are simulated once, fully sharded (``--dp-replicate 1``), and
+the others derived from it (:func:`derive`): with ``s`` = the shards before over the shards after,
+the sharded state (parameters, gradients, optimizer state) is multiplied by ``s`` in the state and
+in every phase's peak (the peak moved by the difference); the ``dp_shard`` all-gathers and
+reduce-scatters keep their bytes (the unsharded tensors) with the ring's ``(n - 1) / n`` of the new
+degree; HSDP adds one all-reduce of each unit's gradient shard across replicas (once per step under
+``--grad-accum-reduce every``). Pure replication (``--dp-shard 1``) is simulated itself.
+
+**Pruning, by stated orders** (one layout leaner than another: less or equal memory; faster: less
+or equal step time, all else equal). Leaner: AC ``full`` than any mode, any than ``none``; more
+``--grad-accum-steps``; ``layer`` units than ``auto`` than ``root``; resharding after forward;
+1F1B than GPipe; fewer replicas. Faster: AC ``none`` than any mode, any than ``full``; fewer
+``--grad-accum-steps``; not resharding after forward. A layout is not simulated where a leaner one
+does not fit, or where a faster one (fitting or not) is already no faster than the fifth fastest
+that fits. Each family (layouts alike but for AC, accumulation and resharding) starts at its fastest
+corner, then its leanest. Of layouts equally fast, the leaner ranks first.
+
+The fastest five are then planned exactly, as ``fsdp2lab plan`` plans them (each with its own
+simulation): the figures printed are exact, and their order is by those.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from fsdp2lab.config import _FIELDS, AC_MODES, TrainConfig
+from fsdp2lab.errors import UsageError
+from fsdp2lab.scale.estimate import Hardware
+
+TOP = 5
+# The flags a search chooses; one given is kept fixed, but for --batch-size and --dp-shard.
+SEARCHED = ("dp_replicate", "dp_shard", "tp", "pp", "pp_schedule", "pp_microbatches",
+            "activation_checkpointing", "fsdp_units", "reshard_after_forward", "batch_size",
+            "grad_accum_steps")  # fmt: skip
+UNITS = ("layer", "auto", "root")  # leanest first
+RESHARD = ("true", "false")
+SCHEDULES = ("1f1b", "gpipe")
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    r: int  # --dp-replicate
+    k: int  # --grad-accum-steps
+    ac: str
+    units: str
+    reshard: str
+    schedule: str = "1f1b"
+    n: int = 1  # --pp-microbatches
+
+    def config(self, cfg: TrainConfig) -> TrainConfig:
+        return dataclasses.replace(
+            cfg, strategy="fsdp2", dp_replicate=self.r, dp_shard=-1, tp=self.tp, pp=self.pp,
+            pp_schedule=self.schedule, pp_microbatches=self.n if self.pp > 1 else None,
+            activation_checkpointing=self.ac, fsdp_units=self.units,
+            reshard_after_forward=self.reshard, grad_accum_steps=self.k, batch_size=None,
+        )  # fmt: skip
+
+    def flags(self) -> list[str]:
+        out = ["--dp-replicate", str(self.r), "--tp", str(self.tp), "--pp", str(self.pp)]
+        if self.pp > 1:
+            out += ["--pp-schedule", self.schedule, "--pp-microbatches", str(self.n)]
+        return out + ["--activation-checkpointing", self.ac, "--fsdp-units", self.units,
+                      "--reshard-after-forward", self.reshard, "--grad-accum-steps", str(self.k)]  # fmt: skip
+
+
+def _ac_leaner(a: str, b: str) -> bool:
+    return a == b or a == "full" or b == "none"
+
+
+def leaner(a: Layout, b: Layout) -> bool:
+    """``a`` takes no more memory than ``b`` (the orders of the module's docstring)."""
+    return (
+        (a.tp, a.pp, a.n) == (b.tp, b.pp, b.n)
+        and _ac_leaner(a.ac, b.ac)
+        and a.k >= b.k
+        and UNITS.index(a.units) <= UNITS.index(b.units)
+        and (a.reshard == b.reshard or a.reshard == "true")
+        and (a.schedule == b.schedule or a.schedule == "1f1b")
+        and a.r <= b.r
+    )
+
+
+def faster(a: Layout, b: Layout) -> bool:
+    """``a`` takes no more step time than ``b`` (the orders of the module's docstring)."""
+    return (
+        (a.tp, a.pp, a.n, a.schedule, a.units, a.r) == (b.tp, b.pp, b.n, b.schedule, b.units, b.r)
+        and _ac_leaner(b.ac, a.ac)
+        and a.k <= b.k
+        and (a.reshard == b.reshard or a.reshard == "false")
+    )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_args(cfg: TrainConfig, given: Iterable[str] = ()) -> tuple[str, ...]:
+    """The searched flags the user fixed (``given``: those on the command line; else those not at
+    their default); a UsageError names the first flag a search cannot take."""
+    fixed = tuple(n for n in SEARCHED if n in given or getattr(cfg, n) != _FIELDS[n].default)
+    for name in ("batch_size", "dp_shard"):
+        if name in fixed:
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(
+                f"fsdp2lab plan --search chooses {flag} itself (from --global-batch-size, "
+                "--grad-accum-steps and the mesh); leave it out"
+            )
+    if cfg.strategy != "fsdp2":
+        raise UsageError(
+            f"fsdp2lab plan --search searches --strategy fsdp2 layouts, not {cfg.strategy}"
+        )
+    if cfg.global_batch_size is None:
+        raise UsageError("fsdp2lab plan --search needs --global-batch-size (samples per step)")
+    return fixed
+
+
+def _shapes(batch: int, world_size: int) -> Iterable[Layout]:
+    """Every mesh, gradient accumulation and pipeline micro-batching of ``batch`` samples."""
+    for pp in _divisors(world_size):
+        for tp in _divisors(world_size // pp):
+            dp = world_size // (pp * tp)
+            if batch % dp:
+                continue
+            for k in _divisors(batch // dp):
+                micro = batch // dp // k
+                pipes = [("1f1b", 1)]
+                if pp > 1:
+                    pipes = [(s, n) for s in SCHEDULES for n in (pp, 2 * pp) if micro % n == 0]
+                for schedule, n in pipes:
+                    for r in _divisors(dp):
+                        yield Layout(tp, pp, r, k, "none", "layer", "true", schedule, n)
+
+
+def candidates(
+    cfg: TrainConfig, world_size: int, fixed: Iterable[str] = ()
+) -> tuple[list[Layout], int]:
+    """Every layout of the module's docstring with ``cfg``'s values of the ``fixed`` flags that
+    ``resolve`` accepts, and how many shapes it refused. Validity does not depend on AC, units or
+    resharding: one ``resolve`` per shape."""
+    from fsdp2lab.plan import resolve
+    from fsdp2lab.scale.simulate import check_supported
+
+    def kept(layout: Layout) -> bool:
+        c = layout.config(cfg)
+        return all(getattr(c, name) == getattr(cfg, name) for name in fixed)
+
+    out, refused = [], 0
+    seen: dict[tuple[int, str], tuple] = {}  # (pp, units) -> the grouping
+    for shape in _shapes(cfg.global_batch_size, world_size):
+        try:
+            check_supported(resolve(shape.config(cfg), world_size, "cuda"))
+        except UsageError:
+            refused += 1
+            continue
+        groupings = {}
+        for units in UNITS:
+            if (shape.pp, units) not in seen:
+                seen[shape.pp, units] = _grouping(cfg, shape, units, world_size)
+            if seen[shape.pp, units] not in groupings.values():
+                groupings[units] = seen[shape.pp, units]
+        dp_shard = world_size // (shape.tp * shape.pp * shape.r)
+        out += [
+            layout
+            for ac in AC_MODES
+            for units in groupings
+            # unsharded parameters: nothing to reshard
+            for reshard in (RESHARD if dp_shard > 1 else RESHARD[:1])
+            if kept(layout := dataclasses.replace(shape, ac=ac, units=units, reshard=reshard))
+        ]
+    return out, refused
+
+
+def _grouping(cfg: TrainConfig, shape: Layout, units: str, world_size: int) -> tuple:
+    """The parameter counts of each stage's FSDP units under ``units`` (two policies grouping
+    alike trace alike)."""
+    from fsdp2lab.parallel.fsdp2 import _numel, default_unit_min_params, unit_groups
+    from fsdp2lab.plan import resolve
+
+    plan = resolve(dataclasses.replace(shape, units=units).config(cfg), world_size, "cuda")
+    min_params = plan.cfg.fsdp_unit_min_params or default_unit_min_params("cuda")
+    model = plan.meta_model
+    stages = plan.stages or (plan.units,)
+    out = []
+    for stage in stages:
+        mods = [model.get_submodule(u) for u in plan.units if u in stage or not plan.stages]
+        out.append(tuple(tuple(_numel(m) for m in g) for g in unit_groups(mods, units, min_params)))
+    return tuple(out)
+
+
+def derive(plan, runs: list, replicas: int) -> tuple:
+    """The plan and rank roles of ``plan`` (fully sharded) with ``replicas`` HSDP replica groups,
+    by the module docstring's rules; returns (plan, runs)."""
+    from fsdp2lab.parallel.fsdp2 import reduces_every_micro_batch
+    from fsdp2lab.runtime.mesh import ParallelDims
+    from fsdp2lab.scale.simulate import Collective
+
+    d = plan.dims
+    dims = ParallelDims.resolve(plan.world_size, replicas, -1, d.tp, d.pp)
+    shards = dims.dp_shard
+    s = d.dp_shard / shards
+    cfg = dataclasses.replace(plan.cfg, dp_replicate=replicas, dp_shard=-1)
+    new_plan = dataclasses.replace(plan, cfg=cfg, dims=dims)
+    every = reduces_every_micro_batch(cfg.grad_accum_reduce, shards)
+    state_cats = ("params", "grads", "optimizer_state")
+
+    def scaled(peak: int, by: dict) -> tuple[int, dict]:
+        by = dict(by)
+        for cat in state_cats:
+            if cat in by:
+                new = int(by[cat] * s)
+                peak += new - by[cat]
+                by[cat] = new
+        return peak, by
+
+    out = []
+    for run in runs:
+        comm = {dim: {kind: dataclasses.replace(c) for kind, c in kinds.items()}
+                for dim, kinds in run.comm.items()}  # fmt: skip
+        rs = comm.get("dp_shard", {}).get("reduce_scatter")
+        for c in comm.get("dp_shard", {}).values():
+            c.wire_bytes = c.tensor_bytes * (shards - 1) // shards
+        if rs is not None and rs.calls:
+            steps = cfg.grad_accum_steps if every else 1  # reduce-scatters per all-reduce
+            shard = rs.tensor_bytes // steps // shards
+            wire = 2 * shard * (replicas - 1) // replicas
+            ar = Collective(rs.calls // steps, shard, wire)
+            comm["dp_replicate"] = {"all_reduce": ar}
+        peak, by = scaled(run.peak_bytes, run.peak_by_category)
+        phases = []
+        for ph in run.phases:
+            p, b = scaled(ph.peak_bytes, ph.peak_by_category)
+            phases.append(dataclasses.replace(ph, peak_bytes=p, peak_by_category=b))
+        state = {key: int(v * s) for key, v in run.state.items()}
+        ops = _derived_ops(
+            run.ops, d.dp_shard, shards, replicas, 1 if every else cfg.grad_accum_steps
+        )
+        out.append(dataclasses.replace(run, peak_bytes=peak, peak_by_category=by, state=state,
+                                       comm=comm, phases=phases, ops=ops))  # fmt: skip
+    return new_plan, out
+
+
+def _derived_ops(ops: list, before: int, shards: int, replicas: int, steps: int) -> list:
+    """The step's ops (``scale.op_trace``) at ``shards`` shards of ``replicas`` replicas, from
+    ``before`` shards of one: the ``dp_shard`` collectives' ring bytes at the new degree, and
+    after each reduce-scatter of the step's last ``1 / steps`` (the micro-batch that reduces
+    across replicas) an all-reduce of its output shard over ``dp_replicate``."""
+    rs = [
+        i for i, op in enumerate(ops) if op.dim == "dp_shard" and op.collective == "reduce_scatter"
+    ]
+    reducing = set(rs[len(rs) - len(rs) // steps :]) if replicas > 1 else set()
+    out = []
+    for i, op in enumerate(ops):
+        if op.kind != "collective" or op.dim != "dp_shard":
+            out.append(op)
+            continue
+        whole = op.wire_bytes * before // (before - 1)  # the unsharded tensor
+        out.append(dataclasses.replace(op, wire_bytes=whole * (shards - 1) // shards))
+        if i in reducing:
+            shard = whole // shards
+            out.append(
+                dataclasses.replace(
+                    op, bytes=2 * shard, reads=op.writes, dim="dp_replicate",
+                    wire_bytes=2 * shard * (replicas - 1) // replicas, collective="all_reduce",
+                )
+            )  # fmt: skip
+    return out
+
+
+def search(
+    cfg: TrainConfig,
+    world_size: int,
+    hw: Hardware,
+    given: Iterable[str] = (),
+    top: int = TOP,
+    prune: bool = True,
+) -> dict:
+    """The ``--json`` object of ``fsdp2lab plan --search``; UsageError where nothing fits.
+    ``given``: the searched flags on the command line, kept as given (:func:`check_args`);
+    ``prune=False``: simulate (or derive) every layout."""
+    from fsdp2lab.plan import resolve
+    from fsdp2lab.scale.report import _gib, summarize
+    from fsdp2lab.scale.simulate import simulate, stage_ranks
+
+    fixed = check_args(cfg, given)
+    layouts, refused = candidates(cfg, world_size, fixed)
+    if not layouts:
+        raise UsageError(
+            f"fsdp2lab plan --search: no layout of --global-batch-size {cfg.global_batch_size} "
+            f"on {world_size} GPUs passes the plan's checks"
+        )
+    figures: dict[Layout, dict] = {}  # every layout simulated or derived
+    exact: set[Layout] = set()  # those simulated themselves
+    counts = {"simulated": 0, "derived": 0, "pruned_by_memory": 0, "pruned_by_speed": 0}
+
+    def fifth() -> float:
+        fit = sorted(
+            (f["tokens_per_s_per_gpu"] for f in figures.values() if f["fits"]), reverse=True
+        )
+        return fit[top - 1] if len(fit) >= top else 0.0
+
+    def skip(layout: Layout) -> str | None:
+        if not prune:
+            return None
+        bar = fifth()
+        for a, f in figures.items():
+            if not f["fits"] and leaner(a, layout):
+                return "pruned_by_memory"
+            if faster(a, layout) and f["tokens_per_s_per_gpu"] <= bar:
+                return "pruned_by_speed"
+        return None
+
+    def base(layout: Layout) -> Layout:
+        dp = world_size // (layout.tp * layout.pp)
+        return layout if dp // layout.r == 1 else dataclasses.replace(layout, r=1)
+
+    # Each family of layouts alike but for AC, accumulation and resharding: its fastest corner
+    # first (were it no faster than the fifth, the rest would not be), then its leanest (were it
+    # not to fit, the rest would not).
+    ks = {}
+    for x in layouts:
+        fam = (x.tp, x.pp, x.n, x.schedule, x.units)
+        ks[fam] = (min(x.k, ks.get(fam, (x.k, x.k))[0]), max(x.k, ks.get(fam, (x.k, x.k))[1]))
+
+    def corner(x: Layout) -> int:
+        low, high = ks[x.tp, x.pp, x.n, x.schedule, x.units]
+        if x.ac == "none" and x.k == low and x.reshard == RESHARD[-1]:
+            return 0
+        return 1 if x.ac == "full" and x.k == high and x.reshard == "true" else 2
+
+    order = sorted(layouts, key=lambda x: (x.pp, x.tp, x.n, SCHEDULES.index(x.schedule),
+                                            UNITS.index(x.units), corner(x), _ac_order(x.ac),
+                                            x.k, x.reshard != "true", x.r))  # fmt: skip
+    done: set[Layout] = set()
+    for layout in order:
+        if layout in figures or layout in done:
+            continue
+        key = base(layout)
+        family = [x for x in order if base(x) == key and x not in figures]
+        reasons = [skip(x) for x in family]
+        if all(reasons):
+            for x, reason in zip(family, reasons, strict=True):
+                counts[reason] += 1
+                done.add(x)
+            continue
+        plan = resolve(key.config(cfg), world_size, "cuda")
+        runs = [simulate(plan, rank=rank) for rank in stage_ranks(plan)]
+        counts["simulated"] += 1
+        figures[key] = summarize(plan, hw, runs=runs)
+        exact.add(key)
+        for x in family:
+            if x != key:
+                derived_plan, derived_runs = derive(plan, runs, x.r)
+                figures[x] = summarize(derived_plan, hw, runs=derived_runs)
+                counts["derived"] += 1
+
+    def speed(f: dict) -> tuple[float, int]:  # the fastest first; of equals, the leanest
+        return -f["tokens_per_s_per_gpu"], f["reserved_bytes_per_rank"]
+
+    ranked = sorted((x for x in figures if figures[x]["fits"]), key=lambda x: speed(figures[x]))
+    if not ranked:
+        leanest = min(figures.values(), key=lambda f: f["reserved_bytes_per_rank"])
+        raise UsageError(
+            f"no layout fits: the leanest searched needs {_gib(leanest['reserved_bytes_per_rank'])} "
+            f"reserved of the {hw.gpu.description}'s {hw.gpu.hbm_gib:g} GiB (margin "
+            f"{hw.margin:.0%}); try more GPUs, a bigger GPU or a smaller --global-batch-size"
+        )
+    best: list[tuple[Layout, dict]] = []
+    for x in ranked:  # exact plans, the fastest first, until five fit
+        if len(best) == top:
+            break
+        f = figures[x] if x in exact else summarize(resolve(x.config(cfg), world_size, "cuda"), hw)
+        if f["fits"]:
+            best.append((x, f))
+    best.sort(key=lambda pair: speed(pair[1]))
+    return {
+        "model": cfg.model,
+        "world_size": world_size,
+        "gpu": hw.gpu.name,
+        "global_batch": cfg.global_batch_size,
+        "seq_len": cfg.seq_len,
+        "layouts": len(layouts),
+        "refused_shapes": refused,
+        "fixed": {name: getattr(cfg, name) for name in fixed},
+        **counts,
+        "fit": len(ranked),
+        "top": [_entry(cfg, x, f) for x, f in best],
+    }
+
+
+def _ac_order(ac: str) -> int:
+    return 0 if ac == "none" else 1 if ac == "full" else 2
+
+
+def _entry(cfg: TrainConfig, layout: Layout, f: dict) -> dict:
+    slowest = max(f["roles"], key=lambda role: role["time"]["step_s"])
+    return {
+        "label": f["label"],
+        "mesh": f["mesh"],
+        "tokens_per_s_per_gpu": f["tokens_per_s_per_gpu"],
+        "mfu": f["mfu"],
+        "reserved_bytes_per_rank": f["reserved_bytes_per_rank"],
+        "peak_phase": f["peak_phase"],
+        "step_s": f["step_s"],
+        "time": slowest["time"],
+        "micro_batch": f["micro_batch"],
+        "layout": dataclasses.asdict(layout),
+        "command": "fsdp2lab train " + shlex.join(train_flags(cfg, layout)),
+    }
+
+
+def train_flags(cfg: TrainConfig, layout: Layout) -> list[str]:
+    """The ``fsdp2lab train`` flags of ``cfg`` (those not at their default) with ``layout``'s."""
+    out: list[str] = []
+    for name, f in _FIELDS.items():
+        value = getattr(cfg, name)
+        if name in SEARCHED or name == "strategy" or value == f.default:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        else:
+            out += [flag, str(value)]
+    return out + layout.flags()
+
+
+def _ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:,.1f}" if ms >= 10 else f"{ms:.3g}"
+
+
+def format_search(r: dict) -> str:
+    lines = [
+        f"search: {r['model']} on {r['world_size']} x {r['gpu']}, global batch "
+        f"{r['global_batch']} x {r['seq_len']} tokens: {r['layouts']} layouts, "
+        f"{r['simulated']} simulated, {r['derived']} derived from them (other --dp-replicate), "
+        f"{r['pruned_by_memory']} ruled out by memory and {r['pruned_by_speed']} by speed unsimulated; "
+        f"{r['fit']} fit. The fastest {len(r['top'])}, planned exactly:"
+    ]
+    if r["fixed"]:
+        kept = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in r["fixed"].items())
+        lines[0] = lines[0].replace(" layouts, ", f" layouts (with {kept}), ", 1)
+    for i, e in enumerate(r["top"], 1):
+        t = e["time"]
+        parts = ", ".join(
+            f"{k.removesuffix('_s').replace('_', ' ')} {_ms(v)}"
+            for k, v in t.items()
+            if k != "step_s" and isinstance(v, (int, float)) and v > 0
+        )
+        from fsdp2lab.scale.report import _gib
+
+        lines.append(
+            f"{i}. {e['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, MFU {e['mfu']:.1%}, reserved "
+            f"{_gib(e['reserved_bytes_per_rank'])} (peak: {e['peak_phase']}), "
+            f"{e['label']} "
+            + " x ".join(f"{k}={v}" for k, v in e["mesh"].items())
+            + f", AC {e['layout']['ac']}, micro-batch {e['micro_batch']}"
+        )
+        lines.append(f"   step {_ms(e['step_s'])} ms ({parts} ms)")
+        lines.append(f"   {e['command']}")
+    return "\n".join(lines)

@@ -1,0 +1,136 @@
+"""``fsdp2lab plan --search``: the fastest layouts that fit, ranked by the plan's tokens/s, each
+with train flags that ``fsdp2lab plan`` plans to the same figures; derived HSDP figures against
+HSDP simulated; bad input."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from fsdp2lab.cli import build_parser, main
+from fsdp2lab.config import config_from_args
+from fsdp2lab.plan import resolve
+from fsdp2lab.scale.estimate import GIB, NON_TORCH_GIB, Hardware
+from fsdp2lab.scale.gpus import get_gpu
+from fsdp2lab.scale.search import derive, search
+from fsdp2lab.scale.simulate import simulate
+
+GPT = ["--model", "gpt", "--n-layers", "2", "--d-model", "128", "--seq-len", "1024",
+       "--global-batch-size", "8", "--mixed-precision", "bf16", "--optimizer", "adamw"]  # fmt: skip
+WORLD = ["--world-size", "2", "--gpu", "a100-40gb", "--pp", "1"]  # --pp 1: kept, a shorter search
+FIXTURE = str(Path(__file__).parent / "fixtures" / "llama3.py")
+
+
+def cli_json(capsys, argv: list[str]) -> dict:
+    assert main(["plan", *argv, "--json"]) == 0, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)
+
+
+def margin_below(needed_reserved: int) -> str:
+    """A --memory-margin leaving an A100 40 GB one byte less than a plan reserving that needs."""
+    usable = needed_reserved + NON_TORCH_GIB * GIB - 1
+    return repr(1 - usable / (get_gpu("a100-40gb").hbm_gib * GIB))
+
+
+def test_search_where_memory_rules_out_the_fastest(capsys):
+    """With room for everything, the fastest layout wins; with a margin that leaves it one byte
+    short, it is gone, the next fit in order of tokens/s, and every printed command, planned by
+    ``fsdp2lab plan``, gives the printed figures (the five are planned exactly)."""
+    free = cli_json(capsys, [*GPT, *WORLD, "--search"])
+    fastest = free["top"][0]
+    assert fastest["layout"]["ac"] == "none"
+    margin = margin_below(fastest["reserved_bytes_per_rank"])
+    tight = cli_json(capsys, [*GPT, *WORLD, "--memory-margin", margin, "--search"])
+    top = tight["top"]
+    assert len(top) == 5 and fastest["command"] not in [e["command"] for e in top]
+    speeds = [e["tokens_per_s_per_gpu"] for e in top]
+    assert speeds == sorted(speeds, reverse=True) and speeds[0] <= fastest["tokens_per_s_per_gpu"]
+    assert tight["pruned_by_memory"] > 0
+    for e in top:
+        flags = shlex.split(e["command"])[2:]
+        planned = cli_json(capsys, [*flags, *WORLD, "--memory-margin", margin])
+        assert planned["fits"] is True
+        for key in ("tokens_per_s_per_gpu", "mfu", "reserved_bytes_per_rank", "peak_phase"):
+            assert planned[key] == e[key], (e["command"], key)
+    # the pruned search's five are the exhaustive search's (--tp 1, layer units: fewer layouts)
+    kept = ["--tp", "1", "--pp", "1", "--fsdp-units", "layer"]
+    cfg = config_from_args(build_parser().parse_args(["train", *GPT, *kept]))
+    hw = Hardware(get_gpu("a100-40gb"), 8, 50.0, margin=float(margin))
+    given = ("tp", "pp", "fsdp_units")
+    pruned, every = (search(cfg, 2, hw, given, prune=p) for p in (True, False))
+    assert pruned["simulated"] < every["simulated"] and every["pruned_by_speed"] == 0
+    assert [e["tokens_per_s_per_gpu"] for e in pruned["top"]] == [
+        e["tokens_per_s_per_gpu"] for e in every["top"]
+    ]
+    assert main(["plan", *GPT, *WORLD, "--memory-margin", margin, "--search"]) == 0
+    text = capsys.readouterr().out
+    assert text.count("fsdp2lab train ") == 5 and "1. " in text and "tokens/s/GPU" in text
+
+
+def test_derived_hsdp_matches_simulated():
+    """HSDP 2 x 4 derived from FSDP 8 against HSDP 2 x 4 simulated: state and collectives
+    exact (no padding at these sizes), the state and peaks within 0.1%."""
+    gpt = [*GPT[:-4], "--global-batch-size", "16", "--grad-accum-steps", "2", *GPT[-4:]]
+
+    def plan(*extra):
+        cfg = config_from_args(build_parser().parse_args(["train", *gpt, *extra]))
+        return resolve(cfg, 8, "cuda")
+
+    base = plan()
+    _, (derived,) = derive(base, [simulate(base)], 2)
+    simulated = simulate(plan("--dp-replicate", "2"))
+    # AdamW's step counters (4 bytes a tensor) are not sharded
+    assert derived.state == pytest.approx(simulated.state, rel=1e-3)
+    assert derived.comm == simulated.comm
+    assert derived.peak_bytes == pytest.approx(simulated.peak_bytes, rel=1e-3)
+    for d, s in zip(derived.phases, simulated.phases, strict=True):
+        assert d.peak_bytes == pytest.approx(s.peak_bytes, rel=1e-3), d.name
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--dp-shard", "2"], "fsdp2lab plan --search chooses --dp-shard itself"),
+        (["--batch-size", "2"], "fsdp2lab plan --search chooses --batch-size itself"),
+        (["--strategy", "ddp"], "--search searches --strategy fsdp2 layouts, not ddp"),
+        (["--memory-margin", "0.99"], "no layout fits: the leanest searched needs"),
+    ],
+)
+def test_search_bad_input_is_one_line(capsys, extra, message):
+    argv = ["plan", *GPT, *WORLD, "--search", *extra]
+    if "--batch-size" in extra:
+        argv.remove("--global-batch-size")
+        argv.remove("8")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_search_needs_a_global_batch(capsys):
+    argv = [a for a in GPT if a not in ("--global-batch-size", "8")]
+    assert main(["plan", *argv, *WORLD, "--search"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "fsdp2lab: error: fsdp2lab plan --search needs --global-batch-size (samples per step)"
+    )
+
+
+@pytest.mark.slow
+def test_search_llama3_8b_on_8_h100(capsys):
+    """Llama 3.1 8B, global batch 16 x 8192 tokens on 8 H100: the winner is torchtitan's FSDP 8,
+    or a layout faster than the fastest FSDP 8 the search found, its step broken down."""
+    flags = ["--model", f"{FIXTURE}:build", "--model-args", 'sac="none"', "--loss",
+             f"{FIXTURE}:loss", "--vocab-size", "128256", "--seq-len", "8192",
+             "--global-batch-size", "16", "--mixed-precision", "bf16", "--optimizer", "adamw",
+             "--world-size", "8", "--gpu", "h100"]  # fmt: skip
+    r = cli_json(capsys, [*flags, "--search"])
+    best = r["top"][0]
+    fsdp8 = [e for e in r["top"] if e["mesh"] == {"dp_shard": 8}]
+    assert (
+        best["mesh"] == {"dp_shard": 8}
+        or not fsdp8
+        or (best["tokens_per_s_per_gpu"] > fsdp8[0]["tokens_per_s_per_gpu"])
+    )
+    assert best["time"]["step_s"] == best["step_s"] and best["time"]["compute_s"] > 0
