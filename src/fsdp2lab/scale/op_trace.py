@@ -20,6 +20,14 @@ MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
 SKIPPED_NAMESPACES = ("c10d", "_c10d_functional", "prim", "profiler")
 # FSDP2's copies into its all-gather and reduce-scatter buffers, run on their side streams.
 COPY_IN = ("all_gather_copy_in", "chunk_cat")
+# Ops that allocate a tensor, uninitialised: its storage may sit where a freed one was.
+ALLOCATING = {
+    aten.empty,
+    aten.empty_like,
+    aten.empty_strided,
+    aten.new_empty,
+    aten.new_empty_strided,
+}
 # Ops that make or reinterpret a tensor without a kernel reading or writing its data.
 NO_KERNEL = {
     aten.empty,
@@ -66,10 +74,6 @@ def _tensors(value) -> list[torch.Tensor]:
     return []
 
 
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
 def _nbytes(ts: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
@@ -93,6 +97,12 @@ class OpTrace:
     def __init__(self) -> None:
         self.ops: list[Op] = []
         self.optimizer = False  # set while the optimizer steps
+        self._generation: dict[int, int] = {}  # storage address -> allocations seen there
+
+    def _storage(self, t: torch.Tensor) -> int:
+        """A key for ``t``'s storage, new each time an allocation reuses the address."""
+        address = t.untyped_storage()._cdata
+        return address ^ (self._generation.get(address, 0) << 48)
 
     def mark_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Mark the ops ``optimizer.step`` runs (from its hooks)."""
@@ -106,6 +116,10 @@ class OpTrace:
     def record(self, func, args, kwargs, out, flops: int) -> None:
         packet = func._overloadpacket
         namespace = func.namespace
+        if packet in ALLOCATING:
+            for t in _tensors(out):
+                address = t.untyped_storage()._cdata
+                self._generation[address] = self._generation.get(address, 0) + 1
         if func.is_view or packet in NO_KERNEL or namespace in SKIPPED_NAMESPACES:
             return
         ins = _tensors(args) + _tensors(list(kwargs.values()))
@@ -124,8 +138,8 @@ class OpTrace:
                 kind,
                 flops,
                 _nbytes(ins) + _nbytes(outs),
-                tuple(_storage(t) for t in ins),
-                tuple(_storage(t) for t in outs),
+                tuple(self._storage(t) for t in ins),
+                tuple(self._storage(t) for t in outs),
                 tuple(_nbytes([t]) for t in ins),
                 tuple(_nbytes([t]) for t in outs),
                 optimizer=self.optimizer,
@@ -143,8 +157,8 @@ class OpTrace:
                 "collective",
                 0,
                 _nbytes(ins) + _nbytes(outs),
-                tuple(_storage(t) for t in ins),
-                tuple(_storage(t) for t in outs),
+                tuple(self._storage(t) for t in ins),
+                tuple(self._storage(t) for t in outs),
                 dim=dim,
                 wire_bytes=wire_bytes,
                 optimizer=self.optimizer,
