@@ -37,9 +37,12 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fsdp2lab.scale.gpus import GPU
-from fsdp2lab.scale.op_trace import Op
+
+if TYPE_CHECKING:  # op_trace imports torch: ``fsdp2lab plan --help`` goes without it
+    from fsdp2lab.scale.op_trace import Op
 
 KINDS = ("matmul", "attention", "memory", "collective")
 
@@ -80,6 +83,8 @@ def kernel_s(gpu: GPU, op: Op) -> float:
 def fused(ops: list[Op]) -> list[Op]:
     """The ops as a compiler fuses them: each run of consecutive fusable memory-bound ops one
     kernel, reading the tensors the run does not make and writing those it does not consume."""
+    from fsdp2lab.scale.op_trace import Op
+
     out: list[Op] = []
     run: list[Op] = []
 
