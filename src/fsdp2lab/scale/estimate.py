@@ -1,8 +1,8 @@
 """From what a simulation measured to a GPU: memory as the allocator reserves it, communication
-time per mesh dimension, step time with FSDP2's overlap, tokens per second and MFU.
+time per mesh dimension, step time, tokens per second and MFU.
 
 Measured (traced by running the code): tensor memory by category and its peak, the sharded
-state, every collective's bytes, FLOPs. Estimated here, each by a stated model:
+state, every collective's bytes, FLOPs, every op in order. Estimated here, each by a stated model:
 
 * reserved memory (:func:`reserved_bytes`): the caching allocator keeps its blocks per stream.
   FSDP2 makes the sharded gradients on its reduce-scatter stream (they are views of the
@@ -11,20 +11,13 @@ state, every collective's bytes, FLOPs. Estimated here, each by a stated model:
   - the gradients live at it) x (1 + ALLOCATOR_OVERHEAD) + all the sharded gradients. Outside
   PyTorch: the CUDA context and NCCL's buffers, ``NON_TORCH_GIB``. A plan fits where reserved +
   that <= the GPU's memory x (1 - margin).
-* compute time: FLOPs / (peak bf16 FLOP/s x efficiency).
-* collective time: ring bytes per rank / bandwidth + a latency per call; a dimension whose ranks
-  share a node (``--nproc-per-node`` consecutive ranks) moves at NVLink speed, else at
-  ``--inter-node-gbs``.
-* overlap: FSDP2 all-gathers the next unit while this one computes and reduce-scatters a unit's
-  gradients while the previous one runs backward, so its collectives (and HSDP's all-reduce)
-  cost only what exceeds compute, plus the first all-gather and the last reduce-scatter, which
-  nothing hides. Tensor-parallel collectives sit on the critical path and add in full.
-* the optimizer step: reads and writes parameters, gradients and state once at HBM bandwidth.
+* step time (:mod:`fsdp2lab.scale.timing`): every op of the traced step on the GPU's roofline,
+  on the streams FSDP2 and c10d put it on, with the host's launches; collectives' ring bytes per
+  rank over NVLink where a mesh dimension's ranks share a node (``--nproc-per-node`` consecutive
+  ranks), else over ``--inter-node-gbs``, plus a latency per call; the optimizer's bytes.
 * pipeline (``--pp``): a stage computes its micro-batches in turn, and GPipe and 1F1B both leave
   it idle for P - 1 micro-batches' time (filling and draining the pipeline): the bubble,
-  (P - 1) / (n + P - 1) of the step's compute, i.e. the stage's compute x (P - 1) / n. Its
-  point-to-point sends (activations forward, gradients backward) and the loss's all-reduce over
-  the stages add in full.
+  (P - 1) / (n + P - 1) of the step's compute, i.e. the stage's compute x (P - 1) / n.
 """
 
 from __future__ import annotations
@@ -40,11 +33,10 @@ if TYPE_CHECKING:  # importing them imports torch: ``fsdp2lab plan --help`` goes
     from fsdp2lab.scale.simulate import Phase, RoleRun
 
 GIB = 1024**3
-# Calibrated on torchtitan's Table 1 only (Llama 3.1 8B, FSDP on 8 H100 96 GB, local batch 2,
-# sequence 8192, per-op selective AC, bf16: 82.4 GiB max reserved, 5,762 tokens/s per GPU;
+# Calibrated on torchtitan's Table 1 memory only (Llama 3.1 8B, FSDP on 8 H100 96 GB, local
+# batch 2, sequence 8192, per-op selective AC, bf16: 82.4 GiB max reserved;
 # tests/test_scale_published.py): the compute stream's reserved over its tracked peak,
-# (82.4 - 3.74 GiB of gradients) / 68.76, and the FLOP/s efficiency that gives 5,762 tokens/s.
-# Table 1 is not a check of them; Table 3 (128 GPUs) and another published run are.
+# (82.4 - 3.74 GiB of gradients) / 68.76. Table 3's memory (128 GPUs) checks it.
 ALLOCATOR_OVERHEAD = 0.144  # the caching allocator's reserved over the compute stream's peak
 NON_TORCH_GIB = 1.0  # CUDA context and NCCL buffers (not calibrated: nothing published)
 DEFAULT_MARGIN = 0.05  # of the GPU's memory kept free
