@@ -68,6 +68,12 @@ def test_search_where_memory_rules_out_the_fastest(capsys):
     assert main(["plan", *GPT, *WORLD, "--memory-margin", margin, "--search"]) == 0
     text = capsys.readouterr().out
     assert text.count("fsdp2lab train ") == 5 and "1. " in text and "tokens/s/GPU" in text
+    steps = [line.split() for line in text.splitlines() if line.startswith("   step ")]
+    assert len(steps) == 5
+    for words in steps:  # step X ms = name a + name b + ... ms (K kernels): the parts add up
+        parts = " ".join(words[words.index("=") + 1 : words.index("ms", 3)]).split(" + ")
+        total = sum(float(part.split()[-1].replace(",", "")) for part in parts)
+        assert total == pytest.approx(float(words[1].replace(",", "")), rel=1e-2), words
 
 
 def test_derived_hsdp_matches_simulated():

@@ -440,6 +440,18 @@ def train_flags(cfg: TrainConfig, layout: Layout) -> list[str]:
     return out + layout.flags()
 
 
+# The step's parts (scale.estimate's "time"), which add up to it.
+STEP_PARTS = (
+    ("matmul_s", "matmul"),
+    ("attention_s", "attention"),
+    ("memory_bound_s", "memory-bound"),
+    ("launch_bound_s", "host launches"),
+    ("exposed_comm_s", "exposed comm"),
+    ("optimizer_s", "optimizer"),
+    ("pipeline_bubble_s", "pipeline bubble"),
+)
+
+
 def _ms(seconds: float) -> str:
     ms = seconds * 1e3
     return f"{ms:,.1f}" if ms >= 10 else f"{ms:.3g}"
@@ -458,10 +470,8 @@ def format_search(r: dict) -> str:
         lines[0] = lines[0].replace(" layouts, ", f" layouts (with {kept}), ", 1)
     for i, e in enumerate(r["top"], 1):
         t = e["time"]
-        parts = ", ".join(
-            f"{k.removesuffix('_s').replace('_', ' ')} {_ms(v)}"
-            for k, v in t.items()
-            if k != "step_s" and isinstance(v, (int, float)) and v > 0
+        parts = " + ".join(
+            f"{name} {_ms(t[key])}" for key, name in STEP_PARTS if t.get(key) or key == "matmul_s"
         )
         from fsdp2lab.scale.report import _gib
 
@@ -472,6 +482,6 @@ def format_search(r: dict) -> str:
             + " x ".join(f"{k}={v}" for k, v in e["mesh"].items())
             + f", AC {e['layout']['ac']}, micro-batch {e['micro_batch']}"
         )
-        lines.append(f"   step {_ms(e['step_s'])} ms ({parts} ms)")
+        lines.append(f"   step {_ms(e['step_s'])} ms = {parts} ms ({t['kernels']:,} kernels)")
         lines.append(f"   {e['command']}")
     return "\n".join(lines)
