@@ -121,7 +121,8 @@ class RoleRun:
     modules: tuple[str, ...] = ()  # --pp: the stage's modules
     # Every phase of the run this rank goes through (:func:`run_phases`), the training step first.
     phases: list[Phase] = field(default_factory=list)
-    ops: list[Op] = field(default_factory=list)  # the step's ops in order (scale.op_trace)
+    # The step's ops in order (scale.op_trace), keyed by storage addresses: not compared.
+    ops: list[Op] = field(default_factory=list, compare=False, repr=False)
 
     @property
     def state_bytes(self) -> int:
