@@ -249,7 +249,7 @@ def derive(plan, runs: list, replicas: int) -> tuple:
             phases.append(dataclasses.replace(ph, peak_bytes=p, peak_by_category=b))
         state = {key: int(v * s) for key, v in run.state.items()}
         ops = _derived_ops(
-            run.ops, d.dp_shard, shards, replicas, 1 if every else cfg.grad_accum_steps
+            run.ops, d.dp_shard, shards, replicas, cfg.grad_accum_steps if every else 1
         )
         out.append(dataclasses.replace(run, peak_bytes=peak, peak_by_category=by, state=state,
                                        comm=comm, phases=phases, ops=ops))  # fmt: skip
