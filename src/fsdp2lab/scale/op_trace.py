@@ -66,16 +66,18 @@ class Op:
     collective: str = ""  # a collective's kind: all_gather, reduce_scatter, all_reduce, ...
 
 
-def _tensors(value) -> list[torch.Tensor]:
+def tensors(value) -> list[torch.Tensor]:
+    """The tensors in ``value`` (a tensor, or lists and tuples of them)."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
+        return [t for v in value for t in tensors(v)]
     return []
 
 
-def _nbytes(ts: list[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in ts)
+def nbytes(value) -> int:
+    """The bytes of the tensors in ``value``."""
+    return sum(t.numel() * t.element_size() for t in tensors(value))
 
 
 def _mnk(func, args) -> tuple[int, int, int]:
@@ -117,13 +119,13 @@ class OpTrace:
         packet = func._overloadpacket
         namespace = func.namespace
         if packet in ALLOCATING:
-            for t in _tensors(out):
+            for t in tensors(out):
                 address = t.untyped_storage()._cdata
                 self._generation[address] = self._generation.get(address, 0) + 1
         if func.is_view or packet in NO_KERNEL or namespace in SKIPPED_NAMESPACES:
             return
-        ins = _tensors(args) + _tensors(list(kwargs.values()))
-        outs = _tensors(out)
+        ins = tensors(args) + tensors(list(kwargs.values()))
+        outs = tensors(out)
         if namespace == "fsdp":
             copy_in = packet.__name__.startswith(COPY_IN)
             kind, extra = ("copy_in" if copy_in else "memory"), {"fsdp": packet.__name__}
@@ -133,15 +135,16 @@ class OpTrace:
             kind, extra = "attention", {"causal": _causal(func, args, kwargs)}
         else:
             kind, extra = "memory", {}
+        read, written = tuple(map(nbytes, ins)), tuple(map(nbytes, outs))
         self.ops.append(
             Op(
                 kind,
                 flops,
-                _nbytes(ins) + _nbytes(outs),
+                sum(read) + sum(written),
                 tuple(self._storage(t) for t in ins),
                 tuple(self._storage(t) for t in outs),
-                tuple(_nbytes([t]) for t in ins),
-                tuple(_nbytes([t]) for t in outs),
+                read,
+                written,
                 optimizer=self.optimizer,
                 fusable=namespace == "aten",
                 **extra,
@@ -151,12 +154,12 @@ class OpTrace:
     def collective(self, kind: str, dim: str, reads, writes, wire_bytes: int) -> None:
         """A collective on mesh dimension ``dim`` that reads the tensors in ``reads`` and writes
         those in ``writes``."""
-        ins, outs = _tensors(reads), _tensors(writes)
+        ins, outs = tensors(reads), tensors(writes)
         self.ops.append(
             Op(
                 "collective",
                 0,
-                _nbytes(ins) + _nbytes(outs),
+                nbytes(ins) + nbytes(outs),
                 tuple(self._storage(t) for t in ins),
                 tuple(self._storage(t) for t in outs),
                 dim=dim,

@@ -61,7 +61,7 @@ from fsdp2lab.runtime.torch_compat import (
     dtensor_shape_inference,
     pipeline_checks_local_shards,
 )
-from fsdp2lab.scale.op_trace import Op, OpTrace
+from fsdp2lab.scale.op_trace import Op, OpTrace, nbytes
 from fsdp2lab.training.loss import model_loss
 from fsdp2lab.training.metrics import state_bytes
 from fsdp2lab.training.optim import build_optimizer
@@ -156,14 +156,6 @@ _FUNCTIONAL = {
 }
 
 
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
-
-
 class SeesShapeInference:
     """A dispatch mode's mixin: while the mode is entered, ``self._inferring()`` says whether
     DTensor is running ops to infer an output's global shape (``dtensor_shape_inference``)."""
@@ -222,12 +214,12 @@ class StepCounter(SeesShapeInference, TorchDispatchMode):
             group = next(a for a in args if isinstance(a, torch.ScriptObject))
             # all-gather: the output; reduce-scatter: the input; all-reduce: the tensor
             big = args[1] if kind == "reduce_scatter" else args[0]
-            self._count(kind, dist.ProcessGroup.unbox(group), _nbytes(big), args, args)
+            self._count(kind, dist.ProcessGroup.unbox(group), nbytes(big), args, args)
         elif namespace == "_c10d_functional" and name in _FUNCTIONAL:
             kind = _FUNCTIONAL[name]
             group = dist.distributed_c10d._resolve_process_group(args[-1])
             scale = group.size() if kind == "all_gather" else 1  # the gathered output
-            self._count(kind, group, scale * _nbytes(args[0]), args[0], out)
+            self._count(kind, group, scale * nbytes(args[0]), args[0], out)
         elif not inferring:
             self.trace.record(func, args, kwargs, out, flops)
         return out
@@ -277,10 +269,6 @@ class LocalFlopCounter(SeesShapeInference, TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.counter.flop_counts = counts
         return out
-
-
-def _nbytes(value) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors(value))
 
 
 def _group_dims(mesh) -> dict[str, str]:
@@ -477,7 +465,7 @@ def run_phases(plan: RunPlan, model, optimizer, tracker) -> list[Phase]:
         with tracker:
             host = _gather_full(model, keep_on_device=plan.dims.pp > 1)
         if plan.dims.pp > 1:  # every stage's parts are joined on each rank of the stage group
-            host = _nbytes(list(plan.meta_model.state_dict().values()))
+            host = nbytes(list(plan.meta_model.state_dict().values()))
         note = "whole tensors, one at a time, to rank 0's host memory"
         if plan.dims.pp > 1:
             note = "the stage's whole tensors on the device, then every stage's on the host"
@@ -536,7 +524,7 @@ def _checkpoint_state(model, optimizer) -> tuple[int, int]:
 
     state = get_state_dict(model, optimizer, options=state_dict_options(model))
     sizes = [
-        _nbytes(t.to_local() if isinstance(t, DTensor) else t)
+        nbytes(t.to_local() if isinstance(t, DTensor) else t)
         for t in tree_leaves(state)
         if isinstance(t, torch.Tensor)
     ]

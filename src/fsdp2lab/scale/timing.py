@@ -44,8 +44,6 @@ from fsdp2lab.scale.gpus import GPU
 if TYPE_CHECKING:  # op_trace imports torch: ``fsdp2lab plan --help`` goes without it
     from fsdp2lab.scale.op_trace import Op
 
-KINDS = ("matmul", "attention", "memory", "collective")
-
 
 @dataclass
 class StepTime:
@@ -128,10 +126,6 @@ def fused(ops: list[Op]) -> list[Op]:
     return out
 
 
-def link_gbs(dim: str, across_nodes: dict[str, bool], gpu: GPU, inter_node_gbs: float) -> float:
-    return inter_node_gbs if across_nodes.get(dim) else gpu.intra_node_gbs
-
-
 def step_time(
     ops: list[Op],
     gpu: GPU,
@@ -139,11 +133,10 @@ def step_time(
     compiled: bool,
     links: dict[str, tuple[float, float]],
     optimizer_bytes: int | None,
-    timeline: list | None = None,
 ) -> StepTime:
     """The step of ``ops`` on ``gpu``. ``links``: per mesh dimension, (bandwidth GB/s, latency s
     per call). ``optimizer_bytes``: what a fused optimizer moves; None to time the optimizer's
-    own ops from the trace. ``timeline``: a list to append (op, stream, start, end) to."""
+    own ops from the trace."""
     if compiled:
         ops = fused(ops)
     if gpu.host_runs_kernels:
@@ -179,8 +172,6 @@ def step_time(
                 host, side_free[dim], inputs, _waits_for(op, gpu_free, copied_out, side_made)
             )
             side_free[dim] = start + seconds
-            if timeline is not None:
-                timeline.append((op, dim, start, side_free[dim]))
             for s in op.writes:
                 ready[s] = side_free[dim]
                 side_made.add(s)
@@ -197,8 +188,6 @@ def step_time(
             else:
                 launch_bound += start - gpu_free
         gpu_free = start + seconds
-        if timeline is not None:
-            timeline.append((op, "compute", start, gpu_free))
         for s in op.writes:
             ready[s] = gpu_free
             side_made.discard(s)
