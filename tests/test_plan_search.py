@@ -35,6 +35,7 @@ def margin_below(needed_reserved: int) -> str:
     return repr(1 - usable / (get_gpu("a100-40gb").hbm_gib * GIB))
 
 
+@pytest.mark.slow
 def test_search_where_memory_rules_out_the_fastest(capsys):
     """With room for everything, the fastest layout wins; with a margin that leaves it one byte
     short, it is gone, the next fit in order of tokens/s, and every printed command, planned by

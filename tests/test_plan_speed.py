@@ -47,6 +47,7 @@ def _traced(monkeypatch, flags: list[str]):
     return run, shown[0], modules
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [["--tp", "2"], ["--activation-checkpointing", "full"]])
 def test_tracker_shows_only_running_modules_same_statistics(monkeypatch, layout):
     flags = ["--model", "gpt", "--n-layers", str(N_LAYERS), "--d-model", "64", "--n-heads", "4",
