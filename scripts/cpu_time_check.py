@@ -236,7 +236,6 @@ def main() -> None:
         sys.exit("cpu_time_check: --warmup must be below --steps")
 
     import torch
-    import transformers
 
     torch.set_num_threads(args.threads)
     measured: list[dict] = []
@@ -245,7 +244,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         folder = work / "llama"
-        transformers.LlamaConfig(**LLAMA).save_pretrained(folder)
+        if any(name.startswith("hf") for name in names):  # only hf: rows need transformers
+            import transformers
+
+            transformers.LlamaConfig(**LLAMA).save_pretrained(folder)
         for _ in range(args.repeats):
             measured.append(measure(3))
             for name in names:

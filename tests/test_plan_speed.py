@@ -62,11 +62,12 @@ def test_tracker_shows_only_running_modules_same_statistics(monkeypatch, layout)
     assert modules == plain_modules
 
 
-@pytest.mark.slow
+@pytest.mark.hf  # needs transformers: runs in the Hugging Face stage
 def test_70b_at_256_ranks_under_a_minute_of_cpu(tmp_path):
     """The user and system CPU time of the ``fsdp2lab plan`` process (not wall time: the machine
     running the tests may be shared)."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     transformers.LlamaConfig(**LLAMA_70B).save_pretrained(tmp_path)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = run_cli(["plan", "--model", f"hf:{tmp_path}", "--seq-len", "8192", "--batch-size",
