@@ -1,6 +1,7 @@
 """scripts/gpu_table.py (docs/speed.md's GPU table) on the CPU at a tiny size: one row of each kind
 (a ``fsdp2lab train`` run, the plain loop with both optimizers, the plan) in the table and the JSON
-file the GPU stage's checks read (tests/test_gpu.py runs it on a GPU)."""
+file the GPU stage's checks read (tests/test_gpu.py runs it on a GPU); scripts/gpu_kernels.py's
+kernel table, on a trace shaped as a CUDA one, and its run on the CPU."""
 
 from __future__ import annotations
 
@@ -44,3 +45,43 @@ def test_gpu_table_refuses_an_unknown_row():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--rows", "fsdp3"], capture_output=True,
                           text=True, env=cli_env(), timeout=60)  # fmt: skip
     assert proc.returncode == 2 and "unknown rows ['fsdp3']" in proc.stderr
+
+
+def test_gpu_kernels_tables_a_cuda_traces_kernels_once_a_step(tmp_path):
+    """scripts/gpu_kernels.py's table, on a trace shaped as torch writes a CUDA one: each
+    ProfilerStep on the host thread and again on the GPU's lane; kernels overlapping."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import gpu_kernels
+
+    events = []
+    for step in range(2):
+        t0 = 1000.0 * step
+        for cat in ("user_annotation", "gpu_user_annotation"):
+            events.append({"name": f"ProfilerStep#{step}", "cat": cat, "ts": t0, "dur": 900.0})
+        events += [
+            {"name": "gemm", "cat": "kernel", "ts": t0 + 10, "dur": 300.0},
+            # the second overlaps the first by 110 us: the GPU is busy 490 + 50 us a step
+            {"name": "gemm", "cat": "kernel", "ts": t0 + 200, "dur": 300.0},
+            {"name": "Memcpy DtoD", "cat": "gpu_memcpy", "ts": t0 + 600, "dur": 50.0},
+            {"name": "aten::mm", "cat": "cpu_op", "ts": t0 + 5, "dur": 20.0},
+        ]
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    lines = gpu_kernels.kernel_table(trace, "x").splitlines()
+    assert lines[0] == ("=== x: 2 steps; a step: host 0.90 ms, 3 kernels, kernel time 0.65 ms, "
+                        "GPU busy 0.54 ms")  # fmt: skip
+    assert lines[1].split() == ["0.600", "ms", "2.0x", "kern", "gemm"]
+    assert lines[2].split() == ["0.050", "ms", "1.0x", "gpu_", "Memcpy", "DtoD"]
+
+
+def test_gpu_kernels_runs_on_cpu(tmp_path):
+    script = SCRIPT.parent / "gpu_kernels.py"
+    out = tmp_path / "kernels.txt"
+    proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--layers", "1",
+                           "--out", str(out)], capture_output=True, text=True, env=cli_env(),
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    heads = [line for line in out.read_text().splitlines() if line.startswith("===")]
+    labels = ["fsdp2lab fsdp2", "fsdp2lab lora", "plain loop, AdamW fused"]
+    assert [h.split(":")[0].removeprefix("=== ") for h in heads] == labels
+    assert all(": 3 steps; a step: host " in h for h in heads), heads

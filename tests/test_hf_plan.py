@@ -47,9 +47,9 @@ def plan_json(folder, *flags: str) -> dict:
 def test_llama_8b_from_its_config_alone(tmp_path):
     """FSDP 8 against FSDP 2 x TP 4 (issue 37's flags). A TP 4 rank computes a quarter of FSDP 8's
     FLOPs: every matmul is split, and what TP leaves replicated (norms, rotary embeddings, the
-    loss's elementwise work) has no matmul FLOPs. Its temporaries at the step's peak are below a
-    third of FSDP 8's: the loss is vocabulary-parallel, and the head's gradient (a unit of its
-    own) is freed before the layers' backward."""
+    loss's elementwise work) has no matmul FLOPs. Its activations and temporaries at the step's
+    peak are below a third of FSDP 8's: the loss is vocabulary-parallel, and the head's gradient
+    (a unit of its own) is freed before the layers' backward."""
     folder = config_folder(tmp_path / "llama-3.1-8b", **LLAMA_8B)
     common = ["--seq-len", "8192", "--batch-size", "2", "--mixed-precision", "bf16",
               "--optimizer", "adamw", "--activation-checkpointing", "full", "--gpu", "h100-96gb",
@@ -68,7 +68,9 @@ def test_llama_8b_from_its_config_alone(tmp_path):
     assert t["flops_per_step"] == pytest.approx(f["flops_per_step"] / 4, rel=1e-3)
     # each split matmul takes a quarter of the time, up to its last wave of tiles
     assert t["time"]["matmul_s"] == pytest.approx(f["time"]["matmul_s"] / 4, rel=0.03)
-    ratio = t["memory"]["temporaries"] / f["memory"]["temporaries"]
+    ratio = sum(t["memory"][c] for c in ("activations", "temporaries")) / sum(
+        f["memory"][c] for c in ("activations", "temporaries")
+    )
     assert ratio < 1 / 3, (ratio, t["memory"], f["memory"])
 
 
@@ -143,9 +145,9 @@ def test_training_keeps_no_key_value_cache_and_the_plan_sees_the_real_runs_atten
 H200_FLAGS = ["--seq-len", "2048", "--batch-size", "4", "--mixed-precision", "bf16",
               "--optimizer", "adamw"]  # fmt: skip
 H200_ROWS = {
-    "16 layers": (16, False, 42_300),
+    "16 layers": (16, False, 44_113),
     "16 layers, compiled": (16, True, 48_415),
-    "4 layers": (4, False, 94_119),
+    "4 layers": (4, False, 102_861),
 }
 
 
@@ -164,7 +166,7 @@ def h200_config(layers: int) -> dict:
             marks=pytest.mark.xfail(
                 strict=True,
                 raises=AssertionError,
-                reason="the plan is 30-53% faster than the H200 measured (docs/scale.md, "
+                reason="the plan is 13-36% faster than the H200 measured (docs/scale.md, "
                 "'Checked against published runs')",
             ),
         )
@@ -191,4 +193,5 @@ def test_the_time_table_plans_every_checked_run():
     assert len(rows) == 8, proc.stdout
     for cells in rows:
         plan, measured = (float(c.replace(",", "")) for c in cells[1:3])
-        assert cells[3].strip() == f"{plan / measured - 1:+.0%}"
+        # The cells are rounded: the error they give may differ from the printed one by a point.
+        assert abs(float(cells[3].strip().rstrip("%")) / 100 - (plan / measured - 1)) <= 0.01

@@ -18,8 +18,8 @@ step, run after run. Rank 0 prints one JSON line: ``{"k": {"by_category": {"acti
 "temporaries": ...}}, ...}``.
 
 ``--loss-chunk-bytes B`` (first) sets the loss's chunk (``training.loss.CHUNK_BYTES``): a tiny
-model's logits then span many chunks, as a real model's do (a 128,256-token vocabulary's 64 MiB
-chunk is 130 tokens).
+model's logits then span many chunks, as a real model's do (a 128,256-token vocabulary's 256 MiB
+chunk is 523 tokens).
 
 torchrun --nproc-per-node N tests/scripts/tp_memory.py [--loss-chunk-bytes B] --tp-degrees 1,2,4 \
     TRAIN_FLAGS...

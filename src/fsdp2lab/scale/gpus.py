@@ -1,7 +1,8 @@
 """Accelerators a plan can target: memory, peak dense bf16 compute, memory and NVLink bandwidth.
 
-Every figure is the vendor's public datasheet value (dense, i.e. without 2:4 sparsity), with
-its source beside it. ``hbm_gib`` is the memory the driver reports (what the allocator can use
+Every figure is the vendor's public datasheet value (dense, i.e. without 2:4 sparsity), or a
+published or measured microbenchmark's where the time model needs what a GPU achieves, with its
+source beside it. ``hbm_gib`` is the memory the driver reports (what the allocator can use
 plus the CUDA context), in GiB. ``intra_node_gbs`` is one GPU's bandwidth to its node's other
 GPUs in one direction (the datasheets quote both directions together: half of it). Bandwidth
 between nodes is no property of a GPU: ``fsdp2lab plan --inter-node-gbs`` (default
@@ -81,9 +82,21 @@ GPUS: dict[str, GPU] = {
             HOPPER_ATTENTION,
         ),
         # https://www.nvidia.com/en-us/data-center/h200/ (141 GB, 989 TFLOPS bf16 dense,
-        # 4.8 TB/s, NVLink 900 GB/s)
+        # 4.8 TB/s, NVLink 900 GB/s). What the time model takes is measured on one (700 W,
+        # torch 2.11.0+cu130) by scripts/gpu_constants.py: matmuls at up to 682.6 TFLOP/s at the
+        # models' shapes, copies at 4.25 TB/s, causal flash attention at 42% of the peak, an op
+        # launched in 9.4 us.
         GPU(
-            "h200", "NVIDIA H200 SXM 141 GB", 140.4, 989.0, 4.8, 450.0, 132, 794.5, HOPPER_ATTENTION
+            "h200",
+            "NVIDIA H200 SXM 141 GB",
+            140.4,
+            989.0,
+            4.25,
+            450.0,
+            132,
+            682.6,
+            0.42,
+            launch_s=9.4e-6,
         ),
         # https://www.nvidia.com/en-us/data-center/hgx/ (HGX B200: 8 GPUs, 1.4 TB memory,
         # 18 PFLOPS fp16/bf16 with sparsity = 2.25 dense per GPU, 62 TB/s HBM = 7.7 per GPU,

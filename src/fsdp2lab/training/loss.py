@@ -3,9 +3,9 @@ cross-entropy, computed over a bounded number of tokens' fp32 logits at a time.
 
 A language model's logits are tokens x vocabulary: upcast to fp32 whole, with the log-softmax
 autograd keeps, they are the largest tensors of a step (4 x 2048 tokens x 128,256 = 4.2 GB each).
-:func:`cross_entropy` upcasts ``chunk_tokens`` tokens' logits at a time, keeps none of them for
-the backward, and recomputes each chunk there, writing its gradient into one gradient tensor of
-the logits' own dtype. Loss and gradients are ``F.cross_entropy``'s.
+:func:`cross_entropy` upcasts ``chunk_tokens`` tokens' logits at a time and keeps none of them:
+each chunk's gradient is taken with its loss, in forward, and written into one gradient tensor of
+the logits' own dtype, which backward scales. Loss and gradients are ``F.cross_entropy``'s.
 
 Under tensor parallelism the head's logits are a DTensor sharded on the vocabulary (each rank
 holds V / tp columns): each chunk's cross-entropy is then torch's vocabulary-parallel one
@@ -26,9 +26,12 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from fsdp2lab.models.spec import logits_of
 
-# The fp32 logits one chunk may hold: 130 tokens of a 128,256-token vocabulary (16.7 M values,
-# plenty for a GPU kernel); a byte-level model's whole batch up to 65,536 tokens.
-CHUNK_BYTES = 64 * 2**20
+# The fp32 logits one chunk may hold: 523 tokens of a 128,256-token vocabulary; a byte-level
+# model's whole batch up to 262,144 tokens. Each chunk is a dozen kernels forward and backward,
+# launched from Python: a chunk must keep the GPU busy longer than the host takes to launch the
+# next one (on an H200, 64 MiB chunks left the loss host-bound), and its transient (about four
+# times its size, in backward) stays small beside a step's activations.
+CHUNK_BYTES = 256 * 2**20
 IGNORE_INDEX = -100  # F.cross_entropy's: targets that count in neither the loss nor its mean
 
 
@@ -58,7 +61,10 @@ def cross_entropy(
     flat_target = target.reshape(-1)
     if mesh is None and flat.shape[0] <= chunk:
         return F.cross_entropy(flat.float(), flat_target, reduction=reduction)
-    return _ChunkedCrossEntropy.apply(flat, flat_target, reduction == "mean", chunk, mesh)
+    needs_grad = torch.is_grad_enabled() and flat.requires_grad
+    return _ChunkedCrossEntropy.apply(
+        flat, flat_target, reduction == "mean", chunk, mesh, needs_grad
+    )
 
 
 def correct(logits: torch.Tensor, target: torch.Tensor) -> float:
@@ -129,32 +135,58 @@ def _context(mesh):
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     """``F.cross_entropy`` over (N, V) logits, ``chunk`` rows at a time, forward and backward;
-    with ``mesh`` (the tp mesh) the logits are this rank's (N, V / tp) columns (:func:`_piece_sum`)."""
+    with ``mesh`` (the tp mesh) the logits are this rank's (N, V / tp) columns (:func:`_piece_sum`).
+
+    The loss is a step's last op, so where the logits need a gradient each chunk's is taken in
+    forward, by ``F.cross_entropy``'s own backward right after its loss: one pass over every
+    chunk instead of a forward pass and a second one, recomputed, in backward. Backward then
+    scales that gradient by the incoming one, in place: with an upstream gradient other than 1
+    (1/K over K micro-batches) bf16 logits' gradient is rounded twice, a rounding of the bf16
+    gradient itself. fp16 logits take the gradient in backward, already scaled: a loss scaler's
+    factor must come before the rounding to fp16, or the small gradients it is there for flush
+    to zero.
+    """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, mean: bool, chunk: int, mesh):
-        total = torch.zeros((), dtype=torch.float32, device=logits.device)
-        with _context(mesh):
-            for piece, t in zip(logits.split(chunk), target.split(chunk), strict=True):
-                total += _piece_sum(piece, t, mesh)
-        ctx.save_for_backward(logits, target)
-        ctx.chunk, ctx.mesh = chunk, mesh
-        ctx.count = (target != IGNORE_INDEX).sum() if mean else None
-        return total / ctx.count if mean else total
+    def forward(ctx, logits, target, mean: bool, chunk: int, mesh, needs_grad: bool):
+        count = (target != IGNORE_INDEX).sum() if mean else None
+        ctx.chunk, ctx.mesh, ctx.count = chunk, mesh, count
+        ctx.grad = None
+        if needs_grad and logits.dtype != torch.float16:
+            ctx.grad = torch.empty_like(logits)
+            scale = None if count is None else 1.0 / count
+            total = _sum_and_gradient(logits, target, chunk, mesh, scale, ctx.grad)
+        else:
+            ctx.save_for_backward(logits, target)
+            total = torch.zeros((), dtype=torch.float32, device=logits.device)
+            with _context(mesh):
+                for piece, t in zip(logits.split(chunk), target.split(chunk), strict=True):
+                    total += _piece_sum(piece, t, mesh)
+        return total / count if mean else total
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
+        if ctx.grad is not None:
+            grad, ctx.grad = ctx.grad.mul_(grad_output), None  # the graph's one use of it
+            return grad, None, None, None, None, None
         logits, target = ctx.saved_tensors
         # As F.cross_entropy's mean: its backward scales by grad_output / count.
         scale = grad_output if ctx.count is None else grad_output / ctx.count
         grad = torch.empty_like(logits)
-        pieces = zip(
-            logits.split(ctx.chunk), target.split(ctx.chunk), grad.split(ctx.chunk), strict=True
-        )
-        for piece, t, out in pieces:
-            with torch.enable_grad(), _context(ctx.mesh):
-                piece = piece.detach().requires_grad_()
-                loss = _piece_sum(piece, t, ctx.mesh)
-                (piece_grad,) = torch.autograd.grad(loss, piece, scale)
-            out.copy_(piece_grad)
-        return grad, None, None, None, None
+        _sum_and_gradient(logits, target, ctx.chunk, ctx.mesh, scale, grad)
+        return grad, None, None, None, None, None
+
+
+def _sum_and_gradient(logits, target, chunk: int, mesh, scale, grad: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy of ``logits``, ``chunk`` rows at a time, writing each chunk's
+    gradient times ``scale`` (a 0-dim tensor; None: 1) into ``grad``."""
+    total = torch.zeros((), dtype=torch.float32, device=logits.device)
+    pieces = zip(logits.split(chunk), target.split(chunk), grad.split(chunk), strict=True)
+    for piece, t, out in pieces:
+        with torch.enable_grad(), _context(mesh):
+            piece = piece.detach().requires_grad_()
+            loss = _piece_sum(piece, t, mesh)
+            (piece_grad,) = torch.autograd.grad(loss, piece, scale)
+        out.copy_(piece_grad)
+        total += loss.detach()
+    return total
