@@ -77,6 +77,14 @@ def test_backward_recomputes_no_log_softmax_but_fp16s(dtype, recomputed):
     assert ("aten._log_softmax.default" in seen.names) is recomputed, sorted(seen.names)
 
 
+def test_a_second_backward_through_the_loss_says_why_it_cannot():
+    logits, target = logits_and_targets(torch.bfloat16)
+    out = loss.cross_entropy(logits, target, chunk_tokens=8)
+    out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="its backward runs once"):
+        out.backward()
+
+
 class Fp32Outputs(TorchDispatchMode):
     """The largest fp32 tensor any op makes, in elements."""
 

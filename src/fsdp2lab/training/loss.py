@@ -151,8 +151,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, mean: bool, chunk: int, mesh, needs_grad: bool):
         count = (target != IGNORE_INDEX).sum() if mean else None
         ctx.chunk, ctx.mesh, ctx.count = chunk, mesh, count
-        ctx.grad = None
-        if needs_grad and logits.dtype != torch.float16:
+        ctx.fused = needs_grad and logits.dtype != torch.float16
+        if ctx.fused:
             ctx.grad = torch.empty_like(logits)
             scale = None if count is None else 1.0 / count
             total = _sum_and_gradient(logits, target, chunk, mesh, scale, ctx.grad)
@@ -166,8 +166,13 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        if ctx.grad is not None:
-            grad, ctx.grad = ctx.grad.mul_(grad_output), None  # the graph's one use of it
+        if ctx.fused:
+            if ctx.grad is None:
+                raise RuntimeError(
+                    "the chunked cross-entropy's gradient is taken in forward and scaled in "
+                    "place: its backward runs once (no retain_graph=True through the loss)"
+                )
+            grad, ctx.grad = ctx.grad.mul_(grad_output), None
             return grad, None, None, None, None, None
         logits, target = ctx.saved_tensors
         # As F.cross_entropy's mean: its backward scales by grad_output / count.
