@@ -30,7 +30,7 @@ from fsdp2lab.models.spec import logits_of
 # model's whole batch up to 262,144 tokens. Each chunk is a dozen kernels forward and backward,
 # launched from Python: a chunk must keep the GPU busy longer than the host takes to launch the
 # next one (on an H200, 64 MiB chunks left the loss host-bound), and its transient (about four
-# times its size, in backward) stays small beside a step's activations.
+# times its size) stays small beside a step's activations.
 CHUNK_BYTES = 256 * 2**20
 IGNORE_INDEX = -100  # F.cross_entropy's: targets that count in neither the loss nor its mean
 
@@ -141,10 +141,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     forward, by ``F.cross_entropy``'s own backward right after its loss: one pass over every
     chunk instead of a forward pass and a second one, recomputed, in backward. Backward then
     scales that gradient by the incoming one, in place: with an upstream gradient other than 1
-    (1/K over K micro-batches) bf16 logits' gradient is rounded twice, a rounding of the bf16
-    gradient itself. fp16 logits take the gradient in backward, already scaled: a loss scaler's
-    factor must come before the rounding to fp16, or the small gradients it is there for flush
-    to zero.
+    (1/K over K micro-batches) the gradient is rounded to the logits' dtype twice, within one
+    ulp of it. fp16 logits take the gradient in backward, already scaled: a loss scaler's factor
+    must come before the rounding to fp16, or the small gradients it is there for flush to zero.
     """
 
     @staticmethod
