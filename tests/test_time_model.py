@@ -139,3 +139,31 @@ def test_where_the_host_runs_the_kernels_the_step_is_every_launch_and_run_in_tur
         pytest.approx(25e-6),
         pytest.approx(comm),
     )
+
+
+@pytest.mark.parametrize(
+    "vocab, forward_reads, backward_reads",
+    [(1024, 1, (1, 1)), (128_256, 3, (2, 1))],  # a row on chip; a Llama 3 vocabulary's is not
+)
+def test_a_softmax_over_rows_too_long_for_the_chip_reads_them_once_a_pass(
+    vocab, forward_reads, backward_reads
+):
+    """torch's softmax kernels keep a row of up to 160 KiB on chip (registers, shared memory);
+    a longer one is read from memory again for each pass: the max, the sum, the output forward;
+    the sum and the gradient backward (op_trace.ROW_PASSES)."""
+    import torch
+
+    from fsdp2lab.scale.op_trace import OpTrace
+
+    aten = torch.ops.aten
+    logits = torch.empty(512, vocab, device="meta")
+    out = torch.empty_like(logits)
+    trace = OpTrace()
+    trace.record(aten._log_softmax.default, (logits, 1, False), {}, out, 0)
+    trace.record(aten._log_softmax_backward_data.default, (out, out, 1, torch.float32), {}, out, 0)
+    tensor = logits.numel() * 4  # fp32
+    forward, backward = trace.ops
+    assert forward.read_bytes == (forward_reads * tensor,) and forward.write_bytes == (tensor,)
+    assert forward.bytes == (forward_reads + 1) * tensor
+    assert backward.read_bytes == tuple(n * tensor for n in backward_reads)
+    assert backward.bytes == (sum(backward_reads) + 1) * tensor

@@ -28,6 +28,19 @@ ALLOCATING = {
     aten.new_empty,
     aten.new_empty_strided,
 }
+# Softmax kernels read a row from memory once per pass where the row is too long to stay on chip
+# (torch's SoftMax.cu keeps up to 10 registers x 16 bytes for each of a block's 1,024 threads, or a
+# row in its 48 KiB of shared memory; past that its kernels read the row again for each pass):
+# forward a max, a sum of exponentials and the output (the input read 3 times); backward a sum and
+# the gradient (log-softmax: the incoming gradient twice and the output once; softmax: both twice).
+# Each op's passes over its tensors read, in argument order.
+ROW_PASSES = {
+    aten._softmax: (3,),
+    aten._log_softmax: (3,),
+    aten._softmax_backward_data: (2, 2),
+    aten._log_softmax_backward_data: (2, 1),
+}
+ON_CHIP_ROW_BYTES = 10 * 16 * 1024
 # Ops that make or reinterpret a tensor without a kernel reading or writing its data.
 NO_KERNEL = {
     aten.empty,
@@ -86,6 +99,11 @@ def _mnk(func, args) -> tuple[int, int, int]:
     return batch * a.shape[-2], b.shape[-1], a.shape[-1]
 
 
+def _row_bytes(t: torch.Tensor, dim: int) -> int:
+    """The bytes of one row of ``t`` along ``dim``."""
+    return t.shape[dim] * t.element_size()
+
+
 def _causal(func, args, kwargs) -> bool:
     for i, arg in enumerate(func._schema.arguments):
         if arg.name == "is_causal":
@@ -136,6 +154,11 @@ class OpTrace:
         else:
             kind, extra = "memory", {}
         read, written = tuple(map(nbytes, ins)), tuple(map(nbytes, outs))
+        passes = ROW_PASSES.get(packet, ())
+        # the reduced dimension follows the tensors: (input, dim, ...), (grad, output, dim, ...)
+        if passes and _row_bytes(ins[0], args[len(passes)]) > ON_CHIP_ROW_BYTES:
+            multi = zip(read[: len(passes)], passes, strict=True)
+            read = tuple(b * n for b, n in multi) + read[len(passes) :]
         self.ops.append(
             Op(
                 kind,
