@@ -68,29 +68,9 @@ def fsdp2lab_trace(args, folder: Path, work: Path, name: str) -> Path:
 def plain_trace(args, folder: Path, work: Path) -> Path:
     """The plain loop of scripts/gpu_table.py (fused AdamW), 3 steps profiled after 6."""
     import torch
-    import torch.nn.functional as F
-    import transformers
 
     device = torch.device(args.device)
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.from_pretrained(folder)
-    with device:
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-
-    def step():
-        tokens = torch.randint(
-            config.vocab_size, (args.batch_size, args.seq_len + 1), device=device
-        )
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            logits = model(tokens[:, :-1]).logits
-        loss = F.cross_entropy(
-            logits.reshape(-1, config.vocab_size).float(), tokens[:, 1:].reshape(-1)
-        )
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
+    step = gpu_table.plain_step(folder, device, "fused", args.batch_size, args.seq_len)
     for _ in range(5):
         step()
     path = work / "plain.pt.trace.json"

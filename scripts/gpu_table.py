@@ -136,33 +136,45 @@ def plain_row(args: argparse.Namespace, folder: Path, name: str) -> dict:
     return json.loads(_run(cmd).splitlines()[-1])
 
 
-def plain_loop(args: argparse.Namespace) -> dict:
-    """The plain loop: HF model in fp32, bf16 autocast, AdamW; this process's peaks."""
+def plain_step(folder, device, optimizer_kind: str, batch_size: int, seq_len: int):
+    """The plain loop's step on a fresh HF model from ``folder`` (fp32 weights, initialised on
+    ``device``, bf16 autocast, ``torch.optim.AdamW`` with ``optimizer_kind`` "fused" or
+    "foreach"): a function that runs one step on random tokens."""
     import torch
     import torch.nn.functional as F
     import transformers
 
-    device = torch.device(args.device)
-    cuda = device.type == "cuda"
     torch.manual_seed(0)
-    config = transformers.AutoConfig.from_pretrained(args.folder)
+    config = transformers.AutoConfig.from_pretrained(folder)
     with device:  # initialised where it trains
         model = transformers.AutoModelForCausalLM.from_config(config)
-    opt_kind = {"fused": True} if args.child == "fused" else {"foreach": True}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **opt_kind)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **{optimizer_kind: True})
     vocab = config.vocab_size
-    times = []
-    for _ in range(args.steps):
-        tokens = torch.randint(vocab, (args.batch_size, args.seq_len + 1), device=device)
+
+    def step() -> None:
+        tokens = torch.randint(vocab, (batch_size, seq_len + 1), device=device)
         x, y = tokens[:, :-1], tokens[:, 1:]
-        start = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16):
             logits = model(x).logits
         loss = F.cross_entropy(logits.reshape(-1, vocab).float(), y.reshape(-1))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        del logits, loss
+
+    return step
+
+
+def plain_loop(args: argparse.Namespace) -> dict:
+    """The plain loop (:func:`plain_step`), each step timed; this process's peaks."""
+    import torch
+
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    step = plain_step(args.folder, device, args.child, args.batch_size, args.seq_len)
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        step()
         if cuda:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
