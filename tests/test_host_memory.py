@@ -41,12 +41,19 @@ def _faults(mode: str) -> list[int]:
 
 @pytest.mark.skipif(host_memory._glibc() is None, reason="glibc only")
 def test_cached_host_memory_reuses_a_steps_freed_pages():
-    cached, system = _faults("cached"), _faults("system")
     # glibc's defaults fault in 2,000-7,000 pages of 4 KiB in most steps here (8-27 MiB);
     # cached, a warm step faults in none. The median of 8 steps: now and then a step of either
-    # takes none or some hundreds (the heap's top happened to fit; the machine took pages back).
-    assert statistics.median(system) > 1000, system
-    assert statistics.median(cached) < 50, cached
+    # takes none or some hundreds (the heap's top happened to fit; the machine took pages back),
+    # and now and then a whole run of glibc's does (seen once in a README test run). The cached
+    # run must fault in none every time; the control must show its faults in one of 3 runs.
+    controls = []
+    for _ in range(3):
+        cached, system = _faults("cached"), _faults("system")
+        assert statistics.median(cached) < 50, cached
+        controls.append(system)
+        if statistics.median(system) > 1000:
+            return
+    pytest.fail(f"glibc's defaults faulted in under 1,000 pages a step in 3 runs: {controls}")
 
 
 def test_host_malloc_leaves_a_users_own_malloc_settings_alone():
