@@ -158,9 +158,8 @@ def estimate(plan: RunPlan, run: RoleRun, hw: Hardware) -> dict:
     stages, n = plan.dims.pp, plan.n_microbatches
     bubble_s = compute_s * (stages - 1) / n  # (P - 1) / (n + P - 1) of compute + bubble
     step_s = t.step_s + bubble_s
-    tokens = plan.global_batch * (plan.cfg.seq_len if plan.spec.task == "lm" else 1)
-    per_gpu = tokens / plan.world_size / step_s
     model_flops = 3 * run.forward_flops  # forward + backward (2x), no recomputation
+    per_gpu, mfu = throughput(plan, hw, step_s, model_flops)
     return {
         "rank": run.rank,
         **({"stage": run.stage, "modules": list(run.modules)} if run.stage is not None else {}),
@@ -194,5 +193,11 @@ def estimate(plan: RunPlan, run: RoleRun, hw: Hardware) -> dict:
             "step_s": step_s,
         },
         "tokens_per_s_per_gpu": per_gpu,
-        "mfu": model_flops / step_s / (gpu.bf16_tflops * 1e12),
+        "mfu": mfu,
     }
+
+
+def throughput(plan: RunPlan, hw: Hardware, step_s: float, model_flops: int) -> tuple[float, float]:
+    """Tokens/s per GPU and MFU of ``plan``'s step of ``step_s`` seconds."""
+    tokens = plan.global_batch * (plan.cfg.seq_len if plan.spec.task == "lm" else 1)
+    return tokens / plan.world_size / step_s, model_flops / step_s / (hw.gpu.bf16_tflops * 1e12)

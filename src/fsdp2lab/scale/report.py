@@ -40,7 +40,11 @@ def summarize(plan: RunPlan, hw: Hardware, runs: list[RoleRun] | None = None) ->
     roles' simulations, where they are at hand (:func:`stage_ranks`' order)."""
     if runs is None:
         runs = [simulate(plan, rank=rank) for rank in stage_ranks(plan)]
-    roles = [estimate(plan, run, hw) for run in runs]
+    return combine(plan, [estimate(plan, run, hw) for run in runs])
+
+
+def combine(plan: RunPlan, roles: list[dict]) -> dict:
+    """The plan's figures from its rank roles' (:func:`~fsdp2lab.scale.estimate.estimate`)."""
     worst = max(roles, key=lambda r: r["memory"]["peak_bytes"])
     # Per phase, the worst role's figures; the phase that sets the run's peak reserved memory.
     phases: dict[str, dict] = {}

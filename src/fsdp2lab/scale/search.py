@@ -2,8 +2,10 @@
 can train on the given GPUs and global batch.
 
 A layout is: the data-parallel split (``--dp-replicate``, HSDP when > 1, the rest sharded), ``--tp``,
-``--pp`` with ``--pp-schedule`` and ``--pp-microbatches`` (``--pp`` or 2 x ``--pp``, dividing the
-micro-batch), ``--activation-checkpointing`` (every mode of ``config.AC_MODES``), ``--fsdp-units``
+``--pp`` with ``--pp-microbatches`` (``--pp`` or 2 x ``--pp``, dividing the micro-batch) and
+``--pp-schedule`` 1F1B (GPipe where given: its bubble is 1F1B's, and it holds every micro-batch's
+activations at once), ``--activation-checkpointing`` (every mode of ``config.AC_MODES``),
+``--fsdp-units``
 (``auto`` only where it groups the units otherwise than ``layer``), ``--reshard-after-forward``
 true/false, and ``--grad-accum-steps`` (every divisor of the per-rank batch; the micro-batch follows).
 Each is checked by :func:`fsdp2lab.plan.resolve`; those it refuses are skipped. A searched flag
@@ -26,6 +28,10 @@ or equal step time, all else equal). Leaner: AC ``full`` than any mode, any than
 does not fit, or where a faster one (fitting or not) is already no faster than the fifth fastest
 that fits. Each family (layouts alike but for AC, accumulation and resharding) starts at its fastest
 corner, then its leanest. Of layouts equally fast, the leaner ranks first.
+
+**Shallow copies.** Where a model's layer units are alike (:mod:`fsdp2lab.scale.layers`), a
+layout is simulated at 2 and 4 layers a rank role, and each figure extended along the line
+through them to the model's depth.
 
 The fastest five are then planned exactly, as ``fsdp2lab plan`` plans them (each with its own
 simulation): the figures printed are exact, and their order is by those.
@@ -131,7 +137,7 @@ def check_args(cfg: TrainConfig, given: Iterable[str] = ()) -> tuple[str, ...]:
     return fixed
 
 
-def _shapes(batch: int, world_size: int) -> Iterable[Layout]:
+def _shapes(batch: int, world_size: int, schedules: tuple[str, ...]) -> Iterable[Layout]:
     """Every mesh, gradient accumulation and pipeline micro-batching of ``batch`` samples."""
     for pp in _divisors(world_size):
         for tp in _divisors(world_size // pp):
@@ -142,7 +148,7 @@ def _shapes(batch: int, world_size: int) -> Iterable[Layout]:
                 micro = batch // dp // k
                 pipes = [("1f1b", 1)]
                 if pp > 1:
-                    pipes = [(s, n) for s in SCHEDULES for n in (pp, 2 * pp) if micro % n == 0]
+                    pipes = [(s, n) for s in schedules for n in (pp, 2 * pp) if micro % n == 0]
                 for schedule, n in pipes:
                     for r in _divisors(dp):
                         yield Layout(tp, pp, r, k, "none", "layer", "true", schedule, n)
@@ -163,7 +169,9 @@ def candidates(
 
     out, refused = [], 0
     seen: dict[tuple[int, str], tuple] = {}  # (pp, units) -> the grouping
-    for shape in _shapes(cfg.global_batch_size, world_size):
+    # GPipe only where given: the same bubble as 1F1B, and all micro-batches' activations held
+    schedules = (cfg.pp_schedule,) if "pp_schedule" in fixed else SCHEDULES[:1]
+    for shape in _shapes(cfg.global_batch_size, world_size, schedules):
         try:
             check_supported(resolve(shape.config(cfg), world_size, "cuda"))
         except UsageError:
@@ -290,12 +298,15 @@ def search(
     given: Iterable[str] = (),
     top: int = TOP,
     prune: bool = True,
+    extend: bool = True,
 ) -> dict:
     """The ``--json`` object of ``fsdp2lab plan --search``; UsageError where nothing fits.
     ``given``: the searched flags on the command line, kept as given (:func:`check_args`);
-    ``prune=False``: simulate (or derive) every layout."""
+    ``prune=False``: simulate (or derive) every layout; ``extend=False``: simulate every layer."""
     from fsdp2lab.plan import resolve
-    from fsdp2lab.scale.report import _gib, summarize
+    from fsdp2lab.scale import layers
+    from fsdp2lab.scale.estimate import estimate
+    from fsdp2lab.scale.report import _gib, combine, summarize
     from fsdp2lab.scale.simulate import simulate, stage_ranks
 
     fixed = check_args(cfg, given)
@@ -307,7 +318,13 @@ def search(
         )
     figures: dict[Layout, dict] = {}  # every layout simulated or derived
     exact: set[Layout] = set()  # those simulated themselves
-    counts = {"simulated": 0, "derived": 0, "pruned_by_memory": 0, "pruned_by_speed": 0}
+    counts = {
+        "simulated": 0,
+        "extended": 0,
+        "derived": 0,
+        "pruned_by_memory": 0,
+        "pruned_by_speed": 0,
+    }
 
     def fifth() -> float:
         fit = sorted(
@@ -360,6 +377,19 @@ def search(
                 done.add(x)
             continue
         plan = resolve(key.config(cfg), world_size, "cuda")
+        if extend and layers.extendable(plan):
+            counts["extended"] += 1
+            shallow = [layers.shallow(plan, m) for m in layers.SHALLOW]
+            shallow_runs = [[simulate(p, rank=rank) for rank in stage_ranks(p)] for p in shallow]
+            for x in family:
+                roles = []
+                for p, runs in zip(shallow, shallow_runs, strict=True):
+                    p, runs = (p, runs) if x == key else derive(p, runs, x.r)
+                    roles.append([estimate(p, run, hw) for run in runs])
+                whole = plan if x == key else derive(plan, [], x.r)[0]
+                figures[x] = combine(whole, layers.extended(whole, hw, *roles))
+                counts["derived"] += x != key
+            continue
         runs = [simulate(plan, rank=rank) for rank in stage_ranks(plan)]
         counts["simulated"] += 1
         figures[key] = summarize(plan, hw, runs=runs)
@@ -461,7 +491,8 @@ def format_search(r: dict) -> str:
     lines = [
         f"search: {r['model']} on {r['world_size']} x {r['gpu']}, global batch "
         f"{r['global_batch']} x {r['seq_len']} tokens: {r['layouts']} layouts, "
-        f"{r['simulated']} simulated, {r['derived']} derived from them (other --dp-replicate), "
+        f"{r['simulated']} simulated, {r['extended']} from copies of 2 and 4 layers a stage, "
+        f"{r['derived']} derived from those (other --dp-replicate), "
         f"{r['pruned_by_memory']} ruled out by memory and {r['pruned_by_speed']} by speed unsimulated; "
         f"{r['fit']} fit. The fastest {len(r['top'])}, planned exactly:"
     ]

@@ -199,6 +199,25 @@ class StepCounter(SeesShapeInference, TorchDispatchMode):
     def get_total_flops(self) -> int:
         return self.flops
 
+    def mark(self) -> tuple:
+        """Where the counts are now, for :meth:`repeat`."""
+        comm = {(dim, kind): dataclasses.astuple(c) for dim, kinds in self.comm.items()
+                for kind, c in kinds.items()}  # fmt: skip
+        return len(self.trace.ops), self.flops, comm
+
+    def repeat(self, mark: tuple, times: int) -> None:
+        """Count what was dispatched since ``mark`` ``times`` more times."""
+        start, flops, comm = mark
+        self.trace.ops += self.trace.ops[start:] * times
+        self.flops += (self.flops - flops) * times
+        for dim, kinds in self.comm.items():
+            for kind, c in kinds.items():
+                before = comm.get((dim, kind), (0, 0, 0))
+                c.calls, c.tensor_bytes, c.wire_bytes = (
+                    now + (now - was) * times
+                    for now, was in zip(dataclasses.astuple(c), before, strict=True)
+                )
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if defer_to_dtensor(types):
@@ -634,12 +653,15 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
             forward = _ForwardFlops(counter)
             counters = (counter, forward.installed(model))
             tracker = memory_tracker(model, optimizer)
-            peak, by_category = track(plan, model, optimizer, batches, counters, pipeline, tracker)
-            state = state_bytes(model, optimizer)
-            phases = [
-                Phase("training step", peak, by_category, note="forward, backward, optimizer"),
-                *run_phases(plan, model, optimizer, tracker),
-            ]
+            with alike_loss_chunks(counter):
+                peak, by_category = track(
+                    plan, model, optimizer, batches, counters, pipeline, tracker
+                )
+                state = state_bytes(model, optimizer)
+                phases = [
+                    Phase("training step", peak, by_category, note="forward, backward, optimizer"),
+                    *run_phases(plan, model, optimizer, tracker),
+                ]
         stage = pipeline.stage_index if pipeline is not None else None
         return RoleRun(
             rank=rank,
@@ -657,6 +679,35 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
     finally:
         dist.destroy_process_group()
         clear_dtensor_caches()
+
+
+@contextlib.contextmanager
+def alike_loss_chunks(counter: StepCounter):
+    """The loss's chunks (``training.loss._each_chunk``) free what they make and are alike but
+    the last: run the first and the last, and count the first's ops, FLOPs and collectives once
+    more for each chunk between (``tests/test_simulate_chunks.py`` checks it against every chunk
+    run)."""
+    from fsdp2lab.training import loss
+
+    every = loss._each_chunk
+
+    def first_and_last(step, chunk: int, *tensors: torch.Tensor) -> torch.Tensor:
+        n = -(-tensors[0].shape[0] // chunk)
+        if n <= 2:
+            return every(step, chunk, *tensors)
+        total = torch.zeros((), dtype=torch.float32, device=tensors[0].device)
+        pieces = list(zip(*(t.split(chunk) for t in tensors), strict=True))
+        mark = counter.mark()
+        total += step(*pieces[0])
+        counter.repeat(mark, n - 2)
+        total += step(*pieces[-1])
+        return total
+
+    loss._each_chunk = first_and_last
+    try:
+        yield
+    finally:
+        loss._each_chunk = every
 
 
 @contextlib.contextmanager

@@ -157,10 +157,10 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             total = _sum_and_gradient(logits, target, chunk, mesh, scale, ctx.grad)
         else:
             ctx.save_for_backward(logits, target)
-            total = torch.zeros((), dtype=torch.float32, device=logits.device)
             with _context(mesh):
-                for piece, t in zip(logits.split(chunk), target.split(chunk), strict=True):
-                    total += _piece_sum(piece, t, mesh)
+                total = _each_chunk(
+                    lambda piece, t: _piece_sum(piece, t, mesh), chunk, logits, target
+                )
         return total / count if mean else total
 
     @staticmethod
@@ -184,13 +184,23 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 def _sum_and_gradient(logits, target, chunk: int, mesh, scale, grad: torch.Tensor) -> torch.Tensor:
     """The summed cross-entropy of ``logits``, ``chunk`` rows at a time, writing each chunk's
     gradient times ``scale`` (a 0-dim tensor; None: 1) into ``grad``."""
-    total = torch.zeros((), dtype=torch.float32, device=logits.device)
-    pieces = zip(logits.split(chunk), target.split(chunk), grad.split(chunk), strict=True)
-    for piece, t, out in pieces:
+
+    def step(piece: torch.Tensor, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         with torch.enable_grad(), _context(mesh):
             piece = piece.detach().requires_grad_()
             loss = _piece_sum(piece, t, mesh)
             (piece_grad,) = torch.autograd.grad(loss, piece, scale)
         out.copy_(piece_grad)
-        total += loss.detach()
+        return loss.detach()
+
+    return _each_chunk(step, chunk, logits, target, grad)
+
+
+def _each_chunk(step: Callable, chunk: int, *tensors: torch.Tensor) -> torch.Tensor:
+    """The fp32 sum of ``step`` over ``tensors`` cut into ``chunk`` rows at a time. Every chunk
+    frees what it makes, and all but the last are alike: the plan's simulation runs the first
+    and the last, and counts the first's ops again for those between."""
+    total = torch.zeros((), dtype=torch.float32, device=tensors[0].device)
+    for pieces in zip(*(t.split(chunk) for t in tensors), strict=True):
+        total += step(*pieces)
     return total
