@@ -132,7 +132,7 @@ def test_odd_shallow_counts_miss_selective_ac(folder, monkeypatch):
     assert any(".time.step_s" in d for d in missed), missed
 
 
-def test_what_is_not_extended(folder, tmp_path):
+def test_what_is_not_extended(folder):
     """``auto`` units group by size (a shallow copy groups otherwise); stages of 8 layers or
     fewer cost as much as copies of 2 and 4."""
     assert not layers.extendable(_plan(folder, ["--fsdp-units", "auto"]))
