@@ -13,6 +13,7 @@ import pytest
 from fsdp2lab.cli import build_parser, main
 from fsdp2lab.config import config_from_args
 from fsdp2lab.plan import resolve
+from fsdp2lab.scale import workers
 from fsdp2lab.scale.estimate import GIB, NON_TORCH_GIB, Hardware, estimate
 from fsdp2lab.scale.gpus import get_gpu
 from fsdp2lab.scale.search import derive, search
@@ -49,7 +50,8 @@ def test_search_where_memory_rules_out_the_fastest(capsys):
     assert len(top) == 5 and fastest["command"] not in [e["command"] for e in top]
     speeds = [e["tokens_per_s_per_gpu"] for e in top]
     assert speeds == sorted(speeds, reverse=True) and speeds[0] <= fastest["tokens_per_s_per_gpu"]
-    assert tight["pruned_by_memory"] > 0
+    # the fastest's family is simulated (its fastest corner bounds it), the rest pruned
+    assert tight["pruned_by_memory"] + tight["pruned_by_speed"] > 0
     for e in top:
         flags = shlex.split(e["command"])[2:]
         planned = cli_json(capsys, [*flags, *WORLD, "--memory-margin", margin])
@@ -75,6 +77,28 @@ def test_search_where_memory_rules_out_the_fastest(capsys):
         parts = " ".join(words[words.index("=") + 1 : words.index("ms", 3)]).split(" + ")
         total = sum(float(part.split()[-1].replace(",", "")) for part in parts)
         assert total == pytest.approx(float(words[1].replace(",", "")), rel=1e-2), words
+
+
+@pytest.mark.slow
+def test_search_in_workers_matches_search_in_process(monkeypatch):
+    """Simulations in spawned workers (each resolving the layout's plan from its config, taking
+    the shallow copy and the stage) give the search every figure it gets in this process: a
+    pipelined GPT with layers enough for shallow copies."""
+    monkeypatch.setattr(workers, "INLINE_S", 0.0)  # the workers from the first simulation
+    pools = []  # each search's pool, as it ends
+    end = workers.Simulations.__exit__
+    monkeypatch.setattr(
+        workers.Simulations, "__exit__", lambda self, *exc: pools.append(self._pool) or end(self)
+    )
+    argv = ["train", *GPT, "--n-layers", "18", "--tp", "1", "--pp", "2", "--fsdp-units", "layer",
+            "--activation-checkpointing", "full", "--grad-accum-steps", "1"]  # fmt: skip
+    cfg = config_from_args(build_parser().parse_args(argv))
+    hw = Hardware(get_gpu("a100-40gb"), 8, 50.0)
+    given = ("tp", "pp", "fsdp_units", "activation_checkpointing", "grad_accum_steps")
+    pooled = search(cfg, 2, hw, given, top=2, workers=2)
+    assert pooled["extended"] > 0 and pooled["top"]
+    assert pooled == search(cfg, 2, hw, given, top=2, workers=1)
+    assert pools[0] is not None and pools[1] is None
 
 
 def test_derived_hsdp_matches_simulated():

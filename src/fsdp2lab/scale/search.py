@@ -26,12 +26,19 @@ or equal step time, all else equal). Leaner: AC ``full`` than any mode, any than
 1F1B than GPipe; fewer replicas. Faster: AC ``none`` than any mode, any than ``full``; fewer
 ``--grad-accum-steps``; not resharding after forward. A layout is not simulated where a leaner one
 does not fit, or where a faster one (fitting or not) is already no faster than the fifth fastest
-that fits. Each family (layouts alike but for AC, accumulation and resharding) starts at its fastest
-corner, then its leanest. Of layouts equally fast, the leaner ranks first.
+that fits. Each family (layouts alike but for AC, accumulation and resharding) starts at its
+fastest corner (simulated even where a leaner layout does not fit: its speed bounds the family's),
+then its leanest; then goes on with the layout left that would rule out the most
+others either way (the most of the lesser of: those it is leaner than, those it is faster than),
+often a middle AC mode that settles ``none`` and ``full`` with it. Of layouts equally fast, the
+leaner ranks first.
 
 **Shallow copies.** Where a model's layer units are alike (:mod:`fsdp2lab.scale.layers`), a
 layout is simulated at 2 and 4 layers a rank role, and each figure extended along the line
 through them to the model's depth.
+
+**Side by side.** Once the search has simulated for a while, a layout's simulations (its
+shallow copies, its stages) run in worker processes (:mod:`fsdp2lab.scale.workers`).
 
 The fastest five are then planned exactly, as ``fsdp2lab plan`` plans them (each with its own
 simulation): the figures printed are exact, and their order is by those.
@@ -299,15 +306,18 @@ def search(
     top: int = TOP,
     prune: bool = True,
     extend: bool = True,
+    workers: int | None = None,
 ) -> dict:
     """The ``--json`` object of ``fsdp2lab plan --search``; UsageError where nothing fits.
     ``given``: the searched flags on the command line, kept as given (:func:`check_args`);
-    ``prune=False``: simulate (or derive) every layout; ``extend=False``: simulate every layer."""
+    ``prune=False``: simulate (or derive) every layout; ``extend=False``: simulate every layer;
+    ``workers``: processes simulating side by side (:mod:`fsdp2lab.scale.workers`; None: one a
+    CPU)."""
     from fsdp2lab.plan import resolve
     from fsdp2lab.scale import layers
     from fsdp2lab.scale.estimate import estimate
     from fsdp2lab.scale.report import _gib, combine, summarize
-    from fsdp2lab.scale.simulate import simulate, stage_ranks
+    from fsdp2lab.scale.workers import Simulations, cpus
 
     fixed = check_args(cfg, given)
     layouts, refused = candidates(cfg, world_size, fixed)
@@ -318,6 +328,7 @@ def search(
         )
     figures: dict[Layout, dict] = {}  # every layout simulated or derived
     exact: set[Layout] = set()  # those simulated themselves
+    done: set[Layout] = set()  # those pruned
     counts = {
         "simulated": 0,
         "extended": 0,
@@ -332,92 +343,127 @@ def search(
         )
         return fit[top - 1] if len(fit) >= top else 0.0
 
-    def skip(layout: Layout) -> str | None:
+    def too_big(layout: Layout) -> bool:
+        return any(not f["fits"] and leaner(a, layout) for a, f in figures.items())
+
+    def too_slow(layout: Layout) -> bool:
+        bar = fifth()
+        return any(
+            f["tokens_per_s_per_gpu"] <= bar and faster(a, layout) for a, f in figures.items()
+        )
+
+    def skip(layout: Layout, memory: bool = True) -> str | None:
         if not prune:
             return None
-        bar = fifth()
-        for a, f in figures.items():
-            if not f["fits"] and leaner(a, layout):
-                return "pruned_by_memory"
-            if faster(a, layout) and f["tokens_per_s_per_gpu"] <= bar:
-                return "pruned_by_speed"
-        return None
+        if memory and too_big(layout):
+            return "pruned_by_memory"
+        return "pruned_by_speed" if too_slow(layout) else None
 
     def base(layout: Layout) -> Layout:
         dp = world_size // (layout.tp * layout.pp)
         return layout if dp // layout.r == 1 else dataclasses.replace(layout, r=1)
 
     # Each family of layouts alike but for AC, accumulation and resharding: its fastest corner
-    # first (were it no faster than the fifth, the rest would not be), then its leanest (were it
-    # not to fit, the rest would not).
-    ks = {}
+    # first, even where a leaner layout does not fit (were it no faster than the fifth, the rest
+    # would not be), then its leanest (were it not to fit, the rest would not), then the one
+    # that would rule out the most others either way (see ``_most_telling``).
+    def family(x: Layout) -> tuple:
+        return x.tp, x.pp, x.n, x.schedule, x.units
+
+    ks: dict[tuple, tuple[int, int]] = {}  # a family's fewest and most accumulation steps
     for x in layouts:
-        fam = (x.tp, x.pp, x.n, x.schedule, x.units)
-        ks[fam] = (min(x.k, ks.get(fam, (x.k, x.k))[0]), max(x.k, ks.get(fam, (x.k, x.k))[1]))
+        low, high = ks.get(family(x), (x.k, x.k))
+        ks[family(x)] = min(x.k, low), max(x.k, high)
 
     def corner(x: Layout) -> int:
-        low, high = ks[x.tp, x.pp, x.n, x.schedule, x.units]
-        if x.ac == "none" and x.k == low and x.reshard == RESHARD[-1]:
+        low, high = ks[family(x)]
+        sharded = world_size // (x.tp * x.pp * x.r) > 1  # else resharding is not searched
+        if x.ac == "none" and x.k == low and (x.reshard == RESHARD[-1] or not sharded):
             return 0
         return 1 if x.ac == "full" and x.k == high and x.reshard == "true" else 2
 
     order = sorted(layouts, key=lambda x: (x.pp, x.tp, x.n, SCHEDULES.index(x.schedule),
                                             UNITS.index(x.units), corner(x), _ac_order(x.ac),
                                             x.k, x.reshard != "true", x.r))  # fmt: skip
-    done: set[Layout] = set()
-    for layout in order:
-        if layout in figures or layout in done:
-            continue
-        key = base(layout)
-        family = [x for x in order if base(x) == key and x not in figures]
-        reasons = [skip(x) for x in family]
-        if all(reasons):
-            for x, reason in zip(family, reasons, strict=True):
-                counts[reason] += 1
-                done.add(x)
-            continue
-        plan = resolve(key.config(cfg), world_size, "cuda")
-        if extend and layers.extendable(plan):
-            counts["extended"] += 1
-            shallow = [layers.shallow(plan, m) for m in layers.SHALLOW]
-            shallow_runs = [[simulate(p, rank=rank) for rank in stage_ranks(p)] for p in shallow]
-            for x in family:
-                roles = []
-                for p, runs in zip(shallow, shallow_runs, strict=True):
-                    p, runs = (p, runs) if x == key else derive(p, runs, x.r)
-                    roles.append([estimate(p, run, hw) for run in runs])
-                whole = plan if x == key else derive(plan, [], x.r)[0]
-                figures[x] = combine(whole, layers.extended(whole, hw, *roles))
-                counts["derived"] += x != key
-            continue
-        runs = [simulate(plan, rank=rank) for rank in stage_ranks(plan)]
-        counts["simulated"] += 1
-        figures[key] = summarize(plan, hw, runs=runs)
-        exact.add(key)
-        for x in family:
-            if x != key:
-                derived_plan, derived_runs = derive(plan, runs, x.r)
-                figures[x] = summarize(derived_plan, hw, runs=derived_runs)
-                counts["derived"] += 1
+    members: dict[Layout, list[Layout]] = {}  # a simulated layout -> those derived from it too
+    families: dict[tuple, list[Layout]] = {}
+    for x in order:
+        members.setdefault(base(x), []).append(x)
+        keys = families.setdefault(family(x), [])
+        if base(x) not in keys:
+            keys.append(base(x))
+
+    def settled(key: Layout) -> bool:
+        """Whether every layout of ``key`` is simulated or pruned (counting those pruned)."""
+        left = [x for x in members[key] if x not in figures and x not in done]
+        # a fastest corner bounds its family's speed: simulated unless all of the family is too big
+        if corner(key) == 0:
+            leanest = [y for y in families[family(key)] if corner(y) == 1 and y.r == key.r]
+            memory = too_big(leanest[0] if leanest else key)
+        else:
+            memory = True
+        reasons = [skip(x, memory) for x in left]
+        if not all(reasons):
+            return False
+        for x, reason in zip(left, reasons, strict=True):
+            counts[reason] += 1
+            done.add(x)
+        return True
 
     def speed(f: dict) -> tuple[float, int]:  # the fastest first; of equals, the leanest
         return -f["tokens_per_s_per_gpu"], f["reserved_bytes_per_rank"]
 
-    ranked = sorted((x for x in figures if figures[x]["fits"]), key=lambda x: speed(figures[x]))
-    if not ranked:
-        leanest = min(figures.values(), key=lambda f: f["reserved_bytes_per_rank"])
-        raise UsageError(
-            f"no layout fits: the leanest searched needs {_gib(leanest['reserved_bytes_per_rank'])} "
-            f"reserved of the {hw.gpu.description}'s {hw.gpu.hbm_gib:g} GiB (margin "
-            f"{hw.margin:.0%}); try more GPUs, a bigger GPU or a smaller --global-batch-size"
-        )
-    best: list[tuple[Layout, dict]] = []
-    for x in ranked:  # exact plans, the fastest first, until five fit
-        if len(best) == top:
-            break
-        f = figures[x] if x in exact else summarize(resolve(x.config(cfg), world_size, "cuda"), hw)
-        if f["fits"]:
-            best.append((x, f))
+    with Simulations(cpus() if workers is None else workers) as sims:
+        for keys in families.values():
+            while keys := [key for key in keys if not settled(key)]:
+                key = keys[0] if corner(keys[0]) < 2 else _most_telling(keys)
+                keys.remove(key)
+                plan = resolve(key.config(cfg), world_size, "cuda")
+                if extend and layers.extendable(plan):
+                    counts["extended"] += 1
+                    shallow = [layers.shallow(plan, m) for m in layers.SHALLOW]
+                    shallow_runs = sims.roles(shallow, list(layers.SHALLOW))
+                    for x in members[key]:
+                        roles = []
+                        for p, runs in zip(shallow, shallow_runs, strict=True):
+                            p, runs = (p, runs) if x == key else derive(p, runs, x.r)
+                            roles.append([estimate(p, run, hw) for run in runs])
+                        whole = plan if x == key else derive(plan, [], x.r)[0]
+                        figures[x] = combine(whole, layers.extended(whole, hw, *roles))
+                        counts["derived"] += x != key
+                    continue
+                [runs] = sims.roles([plan], [None])
+                counts["simulated"] += 1
+                figures[key] = summarize(plan, hw, runs=runs)
+                exact.add(key)
+                for x in members[key]:
+                    if x != key:
+                        derived_plan, derived_runs = derive(plan, runs, x.r)
+                        figures[x] = summarize(derived_plan, hw, runs=derived_runs)
+                        counts["derived"] += 1
+
+        ranked = sorted((x for x in figures if figures[x]["fits"]), key=lambda x: speed(figures[x]))
+        if not ranked:
+            least = min(f["reserved_bytes_per_rank"] for f in figures.values())
+            raise UsageError(
+                f"no layout fits: the leanest searched needs {_gib(least)} "
+                f"reserved of the {hw.gpu.description}'s {hw.gpu.hbm_gib:g} GiB (margin "
+                f"{hw.margin:.0%}); try more GPUs, a bigger GPU or a smaller --global-batch-size"
+            )
+        best: list[tuple[Layout, dict]] = []
+        left = ranked
+        while left and len(best) < top:  # exact plans, the fastest first, until five fit
+            batch, left = left[: top - len(best)], left[top - len(best) :]
+            fresh = [x for x in batch if x not in exact]
+            plans = [resolve(x.config(cfg), world_size, "cuda") for x in fresh]
+            runs = sims.roles(plans, [None] * len(plans))
+            planned = {
+                x: summarize(p, hw, runs=r) for x, p, r in zip(fresh, plans, runs, strict=True)
+            }
+            for x in batch:
+                f = planned.get(x) or figures[x]
+                if f["fits"]:
+                    best.append((x, f))
     best.sort(key=lambda pair: speed(pair[1]))
     return {
         "model": cfg.model,
@@ -432,6 +478,18 @@ def search(
         "fit": len(ranked),
         "top": [_entry(cfg, x, f) for x, f in best],
     }
+
+
+def _most_telling(keys: list[Layout]) -> Layout:
+    """Of ``keys`` (a family's layouts left), the one that rules out the most others either way:
+    were it not to fit, those it is leaner than; were it no faster than the fifth, those it is
+    faster than. The most of the lesser of the two; of equals, the first."""
+
+    def told(x: Layout) -> int:
+        others = [y for y in keys if y != x]
+        return min(sum(leaner(x, y) for y in others), sum(faster(x, y) for y in others))
+
+    return max(keys, key=told)
 
 
 def _ac_order(ac: str) -> int:

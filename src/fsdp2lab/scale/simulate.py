@@ -40,6 +40,7 @@ import copy
 import dataclasses
 import logging
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -327,13 +328,14 @@ def _loss(plan: RunPlan, output, target, reduction: str = "mean") -> torch.Tenso
 
 
 def train_step(
-    plan: RunPlan, model, optimizer, batches, before_forward=None, pipeline=None
+    plan: RunPlan, model, optimizer, batches, before_forward=None, pipeline=None, counts=()
 ) -> None:
     """One optimizer step over ``grad_accum_steps`` micro-batches, as the trainer runs it
     (through ``pipeline``, a :class:`fsdp2lab.parallel.pp.Pipeline`, under ``--pp``); with
     ``--max-grad-norm``, the strategy's gradient norm and clipping (its all-reduce, the loss
     riding on it) before the optimizer step. (The trainer also takes the norm, unclipped, on
-    the steps it logs.)"""
+    the steps it logs.) ``counts``: tallies with ``mark``/``repeat``; with them, the micro-batches
+    between the second and the last are counted, not run (:func:`alike_micro_batches`)."""
     optimizer.zero_grad(set_to_none=True)
     k = plan.cfg.grad_accum_steps
     loss_sum = None
@@ -341,7 +343,7 @@ def train_step(
     def mean(loss: torch.Tensor) -> torch.Tensor:  # a micro-batch's share of the step's mean
         return loss if k == 1 else loss / k
 
-    for micro in range(k):
+    for micro in alike_micro_batches(k, counts):
         x, y = batches()
         if pipeline is not None:
             loss = pipeline.train_step(
@@ -385,9 +387,11 @@ def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 def track(plan: RunPlan, model, optimizer, batches, counters=(), pipeline=None, tracker=None):
     """A steady optimizer step (the optimizer state made first) under the memory tracker and
-    ``counters`` (dispatch modes); returns (peak bytes, peak by category). The tracker is
-    entered before the first forward: FSDP2 resizes its gathered parameters' storages in
-    place, and one made before the tracker saw it would count as a temporary never freed.
+    ``counters`` (context managers of tallies with ``mark``/``repeat``, which count the
+    micro-batches :func:`alike_micro_batches` leaves out); returns (peak bytes, peak by
+    category). The tracker is entered before the first forward: FSDP2 resizes its gathered
+    parameters' storages in place, and one made before the tracker saw it would count as a
+    temporary never freed.
     ``pipeline``: the step runs through it (``--pp``). ``tracker``: an ``FSDPMemTracker`` of
     ``model`` and ``optimizer`` to use (to track later phases with it), else a new one."""
     create_optimizer_state(optimizer)
@@ -395,8 +399,7 @@ def track(plan: RunPlan, model, optimizer, batches, counters=(), pipeline=None, 
     x, _ = batches()
     tracker.track_inputs((x,))
     with tracker, contextlib.ExitStack() as stack:
-        for counter in counters:
-            stack.enter_context(counter)
+        tallies = [stack.enter_context(counter) for counter in counters]
         # The tracker's per-module statistics hold one forward each; its peak is kept. A
         # pipeline's forwards follow each other before their backwards: the statistics are reset
         # before each micro-batch's forward, by a hook put first once the tracker (which
@@ -406,7 +409,7 @@ def track(plan: RunPlan, model, optimizer, batches, counters=(), pipeline=None, 
                 lambda module, args: tracker.reset_mod_stats(), prepend=True
             )
             stack.callback(handle.remove)
-        train_step(plan, model, optimizer, batches, tracker.reset_mod_stats, pipeline)
+        train_step(plan, model, optimizer, batches, tracker.reset_mod_stats, pipeline, tallies)
     return _peak(tracker)
 
 
@@ -616,9 +619,10 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
     """Rank ``rank`` of ``plan``: its memory, state, FLOPs and collectives over a steady step.
 
     Makes the optimizer state from zero gradients, then runs one optimizer step under the
-    memory tracker, counting its FLOPs and collectives. ``device_type`` is the device the plan is for (its
-    default sharding units); ``"cpu"`` to compare with a run on CPU ranks. Under ``--pp``,
-    ``rank``'s stage (:func:`stage_ranks`: one rank per stage).
+    memory tracker, counting its FLOPs and collectives (the loss's chunks and the micro-batches
+    that are alike run once and counted for each). ``device_type`` is the device the plan is
+    for (its default sharding units); ``"cpu"`` to compare with a run on CPU ranks. Under
+    ``--pp``, ``rank``'s stage (:func:`stage_ranks`: one rank per stage).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -679,6 +683,22 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
     finally:
         dist.destroy_process_group()
         clear_dtensor_caches()
+
+
+def alike_micro_batches(k: int, counts=()) -> Iterator[int]:
+    """The micro-batches of a step to run, of ``k``. The first makes the gradients, the last
+    reduces them, and those between are alike the second: with ``counts`` (tallies with
+    ``mark``/``repeat``), run the first, the second and the last, and count the second once more
+    for each between (``tests/test_simulate_micro_batches.py`` checks it against every one run)."""
+    if not counts or k <= 3:
+        yield from range(k)
+        return
+    yield 0
+    marks = [c.mark() for c in counts]
+    yield 1
+    for c, mark in zip(counts, marks, strict=True):
+        c.repeat(mark, k - 3)
+    yield k - 1
 
 
 @contextlib.contextmanager
@@ -750,7 +770,13 @@ class _ForwardFlops:
 
         handles = [model.register_forward_pre_hook(pre), model.register_forward_hook(post)]
         try:
-            yield
+            yield self
         finally:
             for h in handles:
                 h.remove()
+
+    def mark(self) -> int:
+        return self.total
+
+    def repeat(self, mark: int, times: int) -> None:
+        self.total += (self.total - mark) * times
