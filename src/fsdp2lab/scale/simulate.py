@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import gc
 import logging
 from collections import defaultdict
 from collections.abc import Iterator
@@ -631,6 +632,10 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
     if dist.is_initialized():
         raise RuntimeError("simulate() needs a process without a process group")
     plan = _sim_plan(plan, device_type)
+    # Tensors held in reference cycles are freed when the collector runs, which it does by counts
+    # of allocations: collected now, it runs at the same points of every simulation, whatever
+    # the process ran before (else a peak moves with the process's history).
+    gc.collect()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.world_size)
     try:
         mesh = build_mesh(plan.dims, "cpu")
