@@ -4,6 +4,8 @@ HSDP simulated; bad input."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import shlex
 from pathlib import Path
@@ -16,7 +18,8 @@ from fsdp2lab.plan import resolve
 from fsdp2lab.scale import workers
 from fsdp2lab.scale.estimate import GIB, NON_TORCH_GIB, Hardware, estimate
 from fsdp2lab.scale.gpus import get_gpu
-from fsdp2lab.scale.search import derive, search
+from fsdp2lab.scale.report import summarize
+from fsdp2lab.scale.search import Layout, computes_alike, derive, search, speed_ceiling
 from fsdp2lab.scale.simulate import simulate
 
 GPT = ["--model", "gpt", "--n-layers", "2", "--d-model", "128", "--seq-len", "1024",
@@ -99,6 +102,34 @@ def test_search_in_workers_matches_search_in_process(monkeypatch):
     assert pooled["extended"] > 0 and pooled["top"]
     assert pooled == search(cfg, 2, hw, given, top=2, workers=1)
     assert pools[0] is not None and pools[1] is None
+
+
+def test_a_speed_ceiling_bounds_every_layout_computing_alike():
+    """``speed_ceiling`` of a layout's figures against the tokens/s of every layout computing alike
+    (the same TP, PP and micro-batches, at least as much recomputation; any replicas, units and
+    resharding): none is faster, all simulated, on a pipeline whose step the matmuls dominate.
+    The control: the same model without the pipeline (and its bubble) is faster than the
+    pipeline's ceiling."""
+    argv = ["train", "--model", "gpt", "--n-layers", "2", "--d-model", "4096", "--seq-len",
+            "2048", "--global-batch-size", "8", "--mixed-precision", "bf16", "--optimizer",
+            "adamw"]  # fmt: skip
+    cfg = config_from_args(build_parser().parse_args(argv))
+    hw = Hardware(get_gpu("h100"), 8, 50.0)
+    pipelines = [
+        Layout(tp=1, pp=2, r=r, k=1, ac="none", units=units, reshard=reshard, n=2)
+        for r, units, reshard in itertools.product((1, 2), ("layer", "root"), ("true", "false"))
+    ]
+    pipelines.append(dataclasses.replace(pipelines[-1], ac="full"))
+    figures = {x: summarize(resolve(x.config(cfg), 4, "cuda"), hw) for x in pipelines}
+    pairs = [(a, b) for a in figures for b in figures if computes_alike(a, b)]
+    assert len(pairs) == 8 * 8 + 8 + 1  # none -> none, none -> full, full -> full
+    for a, b in pairs:
+        ceiling = speed_ceiling(figures[a])
+        assert figures[b]["tokens_per_s_per_gpu"] <= ceiling * (1 + 1e-12), (a, b)
+    no_pipeline = Layout(tp=1, pp=1, r=1, k=1, ac="none", units="layer", reshard="true")
+    assert not computes_alike(pipelines[0], no_pipeline)
+    faster = summarize(resolve(no_pipeline.config(cfg), 4, "cuda"), hw)
+    assert faster["tokens_per_s_per_gpu"] > speed_ceiling(figures[pipelines[0]])
 
 
 def test_derived_hsdp_matches_simulated():

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import torch.nn as nn
 
 from fsdp2lab.config import TrainConfig, add_train_arguments, config_from_args
 from fsdp2lab.data.sampler import DistributedBatchSampler, eval_shards
@@ -187,6 +188,44 @@ def test_meta_init_is_deterministic_and_matches_eager_shapes(name):
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(a[k], c[k]) for k in a)
     assert all(torch.isfinite(v).all() for v in a.values())
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_meta_build_fills_nothing_and_makes_the_same_model(name):
+    """``build_on_meta`` skips the initialisers' fills of meta tensors (which hold no values);
+    the control, a plain build under ``torch.device("meta")``, runs them. Both make the same
+    parameters, shapes, dtypes and tied tensors."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    cfg = TrainConfig(model=name, n_layers=2, d_model=32, seq_len=16)
+    fills = {"normal_", "uniform_", "fill_", "zero_", "copy_"}
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func._overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def built(meta_build) -> tuple[nn.Module, set[str]]:
+        with Ops() as ops:
+            return meta_build(), ops.names
+
+    model, ran = built(lambda: build_on_meta(lambda: MODELS[name].build(cfg)))
+    with torch.device("meta"):
+        plain, ran_plain = built(lambda: MODELS[name].build(cfg))
+    assert not ran & fills and ran_plain & fills
+
+    def described(m: nn.Module) -> list[tuple]:
+        return [
+            (n, p.shape, p.dtype, p.is_meta) for n, p in m.named_parameters(remove_duplicate=False)
+        ]
+
+    assert described(model) == described(plain)
+    tied = [len({id(p) for p in m.parameters()}) for m in (model, plain)]
+    assert tied[0] == tied[1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -201,9 +201,12 @@ class Pipeline:
         self._loss_fn: Callable | None = None
         self._schedules: dict[tuple, tuple[object, object]] = {}  # (schedule, stage)
 
-    def _schedule(self, shape: torch.Size, train: bool, shapes: dict | None = None):
+    def _schedule(
+        self, shape: torch.Size, train: bool, shapes: dict | None = None, n: int | None = None
+    ):
         """The schedule for batches of ``shape`` and its stage. ``shapes``: the stage's
-        ``input_args``/``output_args``/... given, instead of inferred from its neighbours."""
+        ``input_args``/``output_args``/... given, instead of inferred from its neighbours;
+        ``n``: the training schedule's micro-batches, if not ``n_microbatches``."""
         # Imported here, not at the top: it costs every launcher and every rank without --pp
         # most of a second (it brings in torch._dynamo).
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -222,18 +225,21 @@ class Pipeline:
             )
             if train:
                 cls = Schedule1F1B if self.schedule_name == "1f1b" else ScheduleGPipe
-                schedule = cls(stage, self.n_microbatches, loss_fn=self._loss)
+                schedule = cls(stage, n or self.n_microbatches, loss_fn=self._loss)
             else:  # forward only: as many equal micro-batches as the batch allows
                 schedule = ScheduleGPipe(stage, math.gcd(shape[0], self.n_microbatches))
             self._schedules[key] = (schedule, stage)
         return self._schedules[key]
 
-    def give_shapes(self, batch: torch.Size, received: torch.Tensor, sent: torch.Tensor) -> None:
-        """Make the training schedule for batches of ``batch`` with the tensors this stage
-        receives and sends per micro-batch given (example tensors of their shapes), so that its
-        first step exchanges no shapes with the neighbouring stages (``fsdp2lab plan``)."""
+    def give_shapes(
+        self, batch: torch.Size, received: torch.Tensor, sent: torch.Tensor, n: int | None = None
+    ):
+        """Make the training schedule for batches of ``batch`` (in ``n`` micro-batches, if not
+        ``n_microbatches``) with the tensors this stage receives and sends per micro-batch given
+        (example tensors of their shapes), so that its first step exchanges no shapes with the
+        neighbouring stages (``fsdp2lab plan``); returns its ``PipelineStage``."""
         shapes = stage_shapes_given(received, sent, self.is_first, self.is_last)
-        self._schedule(batch, train=True, shapes=shapes)
+        return self._schedule(batch, train=True, shapes=shapes, n=n)[1]
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self._loss_fn(output, target)

@@ -31,7 +31,11 @@ fastest corner (simulated even where a leaner layout does not fit: its speed bou
 then its leanest; then goes on with the layout left that would rule out the most
 others either way (the most of the lesser of: those it is leaner than, those it is faster than),
 often a middle AC mode that settles ``none`` and ``full`` with it. Of layouts equally fast, the
-leaner ranks first.
+leaner ranks first. Across families, a layout's step takes at least its matmuls' and attention's
+time (and the pipeline bubble's share of it, :func:`speed_ceiling`), which every layout that
+computes alike runs too (the same TP, PP and micro-batches, at least the same recomputation; any
+replicas, units and resharding, :func:`computes_alike`): where that ceiling is no faster than the
+fifth fastest that fits, none of them is simulated.
 
 **Shallow copies.** Where a model's layer units are alike (:mod:`fsdp2lab.scale.layers`), a
 layout is simulated at 2 and 4 layers a rank role, and each figure extended along the line
@@ -120,6 +124,24 @@ def faster(a: Layout, b: Layout) -> bool:
     )
 
 
+def computes_alike(a: Layout, b: Layout) -> bool:
+    """``b`` runs at least ``a``'s matmuls and attention, each of the same shape: the same mesh
+    but for data parallelism, the same micro-batches, and at least ``a``'s recomputation."""
+    return (a.tp, a.pp, a.n, a.k) == (b.tp, b.pp, b.n, b.k) and _ac_leaner(b.ac, a.ac)
+
+
+def speed_ceiling(f: dict) -> float:
+    """The most tokens/s per GPU that a layout computing alike (:func:`computes_alike`) the one
+    of figures ``f`` can reach: each rank role's step takes at least its matmuls' and
+    attention's time (its compute stream runs them one after another) and the pipeline bubble's
+    share of that."""
+    pipe = f.get("pipeline")
+    bubble = (pipe["stages"] - 1) / pipe["n_microbatches"] if pipe else 0.0
+    least = max((r["time"]["matmul_s"] + r["time"]["attention_s"]) * (1 + bubble)
+                for r in f["roles"])  # fmt: skip
+    return f["tokens_per_s_per_gpu"] * f["step_s"] / least
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -180,14 +202,14 @@ def candidates(
     schedules = (cfg.pp_schedule,) if "pp_schedule" in fixed else SCHEDULES[:1]
     for shape in _shapes(cfg.global_batch_size, world_size, schedules):
         try:
-            check_supported(resolve(shape.config(cfg), world_size, "cuda"))
+            check_supported(plan := resolve(shape.config(cfg), world_size, "cuda"))
         except UsageError:
             refused += 1
             continue
         groupings = {}
         for units in UNITS:
             if (shape.pp, units) not in seen:
-                seen[shape.pp, units] = _grouping(cfg, shape, units, world_size)
+                seen[shape.pp, units] = _grouping(plan, units)
             if seen[shape.pp, units] not in groupings.values():
                 groupings[units] = seen[shape.pp, units]
         dp_shard = world_size // (shape.tp * shape.pp * shape.r)
@@ -202,13 +224,11 @@ def candidates(
     return out, refused
 
 
-def _grouping(cfg: TrainConfig, shape: Layout, units: str, world_size: int) -> tuple:
-    """The parameter counts of each stage's FSDP units under ``units`` (two policies grouping
-    alike trace alike)."""
+def _grouping(plan, units: str) -> tuple:
+    """The parameter counts of each of ``plan``'s stages' FSDP units under ``--fsdp-units
+    units`` (two policies grouping alike trace alike)."""
     from fsdp2lab.parallel.fsdp2 import _numel, default_unit_min_params, unit_groups
-    from fsdp2lab.plan import resolve
 
-    plan = resolve(dataclasses.replace(shape, units=units).config(cfg), world_size, "cuda")
     min_params = plan.cfg.fsdp_unit_min_params or default_unit_min_params("cuda")
     model = plan.meta_model
     stages = plan.stages or (plan.units,)
@@ -317,6 +337,7 @@ def search(
     from fsdp2lab.scale import layers
     from fsdp2lab.scale.estimate import estimate
     from fsdp2lab.scale.report import _gib, combine, summarize
+    from fsdp2lab.scale.simulate import frozen_heap
     from fsdp2lab.scale.workers import Simulations, cpus
 
     fixed = check_args(cfg, given)
@@ -327,6 +348,7 @@ def search(
             f"on {world_size} GPUs passes the plan's checks"
         )
     figures: dict[Layout, dict] = {}  # every layout simulated or derived
+    ceilings: dict[Layout, float] = {}  # their speed_ceiling
     exact: set[Layout] = set()  # those simulated themselves
     done: set[Layout] = set()  # those pruned
     counts = {
@@ -337,6 +359,10 @@ def search(
         "pruned_by_speed": 0,
     }
 
+    def record(layout: Layout, f: dict) -> None:
+        figures[layout] = f
+        ceilings[layout] = speed_ceiling(f)
+
     def fifth() -> float:
         fit = sorted(
             (f["tokens_per_s_per_gpu"] for f in figures.values() if f["fits"]), reverse=True
@@ -346,11 +372,18 @@ def search(
     def too_big(layout: Layout) -> bool:
         return any(not f["fits"] and leaner(a, layout) for a, f in figures.items())
 
+    def capped(layout: Layout, bar: float) -> bool:
+        return any(c <= bar and computes_alike(a, layout) for a, c in ceilings.items())
+
     def too_slow(layout: Layout) -> bool:
         bar = fifth()
-        return any(
-            f["tokens_per_s_per_gpu"] <= bar and faster(a, layout) for a, f in figures.items()
+        if any(f["tokens_per_s_per_gpu"] <= bar and faster(a, layout) for a, f in figures.items()):
+            return True
+        # a fastest corner left unsimulated bounds none of its family: capped only with them all
+        kin = (
+            [y for b in families[family(layout)] for y in members[b]] if corner(layout) == 0 else []
         )
+        return capped(layout, bar) and all(capped(y, bar) for y in kin)
 
     def skip(layout: Layout, memory: bool = True) -> str | None:
         if not prune:
@@ -413,7 +446,7 @@ def search(
     def speed(f: dict) -> tuple[float, int]:  # the fastest first; of equals, the leanest
         return -f["tokens_per_s_per_gpu"], f["reserved_bytes_per_rank"]
 
-    with Simulations(cpus() if workers is None else workers) as sims:
+    with Simulations(cpus() if workers is None else workers) as sims, frozen_heap():
         for keys in families.values():
             while keys := [key for key in keys if not settled(key)]:
                 key = keys[0] if corner(keys[0]) < 2 else _most_telling(keys)
@@ -421,25 +454,24 @@ def search(
                 plan = resolve(key.config(cfg), world_size, "cuda")
                 if extend and layers.extendable(plan):
                     counts["extended"] += 1
-                    shallow = [layers.shallow(plan, m) for m in layers.SHALLOW]
-                    shallow_runs = sims.roles(shallow, list(layers.SHALLOW))
+                    # the copies' figures as the whole plan's: they depend on its mesh and batch
+                    shallow_runs = sims.roles([plan, plan], list(layers.SHALLOW))
                     for x in members[key]:
-                        roles = []
-                        for p, runs in zip(shallow, shallow_runs, strict=True):
-                            p, runs = (p, runs) if x == key else derive(p, runs, x.r)
-                            roles.append([estimate(p, run, hw) for run in runs])
-                        whole = plan if x == key else derive(plan, [], x.r)[0]
-                        figures[x] = combine(whole, layers.extended(whole, hw, *roles))
+                        whole, roles = plan, []
+                        for runs in shallow_runs:
+                            whole, runs = (plan, runs) if x == key else derive(plan, runs, x.r)
+                            roles.append([estimate(whole, run, hw) for run in runs])
+                        record(x, combine(whole, layers.extended(whole, hw, *roles)))
                         counts["derived"] += x != key
                     continue
                 [runs] = sims.roles([plan], [None])
                 counts["simulated"] += 1
-                figures[key] = summarize(plan, hw, runs=runs)
+                record(key, summarize(plan, hw, runs=runs))
                 exact.add(key)
                 for x in members[key]:
                     if x != key:
                         derived_plan, derived_runs = derive(plan, runs, x.r)
-                        figures[x] = summarize(derived_plan, hw, runs=derived_runs)
+                        record(x, summarize(derived_plan, hw, runs=derived_runs))
                         counts["derived"] += 1
 
         ranked = sorted((x for x in figures if figures[x]["fits"]), key=lambda x: speed(figures[x]))
@@ -453,7 +485,10 @@ def search(
         best: list[tuple[Layout, dict]] = []
         left = ranked
         while left and len(best) < top:  # exact plans, the fastest first, until five fit
-            batch, left = left[: top - len(best)], left[top - len(best) :]
+            # as many as fill the workers' last round: one that turns out not to fit (a shallow
+            # copy's memory is within 0.5%) may then cost no round of its own
+            take = -(-(top - len(best)) // sims.at_once) * sims.at_once
+            batch, left = left[:take], left[take:]
             fresh = [x for x in batch if x not in exact]
             plans = [resolve(x.config(cfg), world_size, "cuda") for x in fresh]
             runs = sims.roles(plans, [None] * len(plans))
@@ -464,7 +499,7 @@ def search(
                 f = planned.get(x) or figures[x]
                 if f["fits"]:
                     best.append((x, f))
-    best.sort(key=lambda pair: speed(pair[1]))
+    best = sorted(best, key=lambda pair: speed(pair[1]))[:top]
     return {
         "model": cfg.model,
         "world_size": world_size,

@@ -19,8 +19,9 @@ Under ``--pp`` each pipeline stage is a rank role of its own (:func:`stage_ranks
 stage is cut by the real ``pp.stage_module`` and parallelised as ``train`` does, and its step is
 the real :class:`fsdp2lab.parallel.pp.Pipeline` ``train_step`` running torch's GPipe or 1F1B
 schedule. The fake process group's point-to-point sends and receives return at once, so one
-stage runs its whole schedule alone: micro-batch forwards and backwards in the schedule's order,
-a received activation (or gradient) being a fresh fake tensor of the stage's input (output)
+stage runs its whole schedule alone: micro-batch forwards and backwards in the schedule's order
+(under 1F1B, its warmup and three cycles, the cycles left out counted: :func:`cycles_run`), a
+received activation (or gradient) being a fresh fake tensor of the stage's input (output)
 shape. The schedule's stage is built with those shapes given (:func:`stage_shapes`, the meta
 model's stages, tensor-parallelised under ``--tp``, run in turn) instead of inferring them from
 its neighbours as a real run does.
@@ -562,13 +563,14 @@ def stage_ranks(plan: RunPlan) -> list[int]:
 
 
 def stage_shapes(
-    plan: RunPlan, micro_batch: int, tp_mesh=None
+    plan: RunPlan, micro_batch: int, tp_mesh=None, last: int | None = None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each pipeline stage's (input, output) for a micro-batch of ``micro_batch`` samples, as
     meta tensors: the meta model cut into its stages (``pp.make_stage``, as ``pp.stage_module``
     cuts it) and run in turn under fake tensor mode (a forward may read a value, which plain meta
     tensors refuse), in the parameters' compute dtype (mixed precision); with ``tp_mesh``, each
-    stage tensor-parallelised as ``train`` does it (what it sends is then this rank's shard)."""
+    stage tensor-parallelised as ``train`` does it (what it sends is then this rank's shard).
+    ``last``: the stages up to that one only."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from fsdp2lab.parallel import pp, tp
@@ -577,14 +579,14 @@ def stage_shapes(
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.cfg.mixed_precision)
     stages = [
         pp.make_stage(plan.spec, copy.deepcopy(plan.meta_model), plan.stages, i)
-        for i in range(len(plan.stages))
+        for i in range(len(plan.stages) if last is None else last + 1)
     ]
     if tp_mesh is not None:
         stages = [tp.apply_tp(stage, plan.spec, tp_mesh) for stage in stages]
     shapes = []
     with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
         x = sample_input(plan.spec, plan.cfg, micro_batch)
-        for stage in stages:
+        for i, stage in enumerate(stages):
             if dtype is not None:
                 stage.to(dtype)
                 if x.is_floating_point():
@@ -592,7 +594,7 @@ def stage_shapes(
             y = stage(x)
             # The last stage's output is checked, not sent: by its global shape on a torch
             # whose pipelining has no DTensor metadata.
-            whole = stage is stages[-1] and not pipeline_checks_local_shards()
+            whole = i == len(plan.stages) - 1 and not pipeline_checks_local_shards()
             y = y.to_local() if isinstance(y, DTensor) and not whole else y
             shapes.append(((x.shape, x.dtype), (y.shape, y.dtype)))
             x = y
@@ -601,19 +603,61 @@ def stage_shapes(
     ]
 
 
-def static_pipeline(plan: RunPlan, model, mesh, device, batch: torch.Tensor, shapes):
-    """The trainer's :class:`Pipeline` for this rank's stage, its schedule for ``batch`` made
-    with the stages' shapes given (``shapes``: :func:`stage_shapes`), so it sends no metadata."""
+def static_pipeline(plan: RunPlan, model, mesh, device, shapes, counts=()):
+    """The trainer's :class:`Pipeline` for this rank's stage, and the samples a training step
+    runs through it. Its schedule is made with the stages' shapes given (``shapes``:
+    :func:`stage_shapes`), so it sends no metadata; with ``counts`` (tallies with
+    ``mark``/``repeat``), for the micro-batches of :func:`cycles_run`, the others counted."""
     from fsdp2lab.parallel.pp import Pipeline
 
-    pipeline = Pipeline(model, mesh, device, plan.n_microbatches, plan.cfg.pp_schedule)
+    n = plan.n_microbatches
+    pipeline = Pipeline(model, mesh, device, n, plan.cfg.pp_schedule)
+    runs = cycles_run(plan, pipeline.stage_index) if counts else n
+    rows = plan.micro_batch // n * runs
     received, sent = shapes[pipeline.stage_index]
-    pipeline.give_shapes(
-        batch.shape,
+    stage = pipeline.give_shapes(
+        _batch(plan, rows)[0].shape,
         torch.empty_like(received, device=device),
         torch.empty_like(sent, device=device),
+        n=runs,
     )
-    return pipeline
+    alike_cycles(stage, runs, n, counts)
+    return pipeline, rows
+
+
+def cycles_run(plan: RunPlan, stage: int) -> int:
+    """The micro-batches a simulated step runs through pipeline stage ``stage``, of
+    ``--pp-microbatches``. Under 1F1B a stage runs a forward for each stage from it to the last
+    (torch's warmup), then cycles of a backward and a forward, then the backwards left: the
+    cycles are alike. The warmup and three cycles are run (at least as many micro-batches as
+    stages, which the schedule takes), and the last cycle but one is counted again for each
+    left out (:func:`alike_cycles`). GPipe's forwards all come before its backwards, each
+    micro-batch's activations held: every one is run."""
+    n, stages = plan.n_microbatches, plan.dims.pp
+    if plan.cfg.pp_schedule != "1f1b":
+        return n
+    return min(n, max(stages, stages - stage + 3))
+
+
+def alike_cycles(stage, runs: int, n: int, counts) -> None:
+    """Make ``stage`` (a ``PipelineStage`` whose 1F1B schedule runs ``runs`` micro-batches of
+    the step's ``n``: :func:`cycles_run`) count its last cycle but one, from that cycle's forward
+    to the last's, ``n - runs`` times more with ``counts`` (tallies with ``mark``/``repeat``).
+    ``tests/test_simulate_micro_batches.py`` checks it against every micro-batch run."""
+    if runs == n:
+        return
+    forward_one_chunk = stage.forward_one_chunk
+    marks = []
+
+    def counted(chunk: int, *args, **kwargs):
+        if chunk == runs - 2:
+            marks[:] = [c.mark() for c in counts]
+        elif chunk == runs - 1:
+            for c, mark in zip(counts, marks, strict=True):
+                c.repeat(mark, n - runs)
+        return forward_one_chunk(chunk, *args, **kwargs)
+
+    stage.forward_one_chunk = counted
 
 
 def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun:
@@ -634,7 +678,8 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
     plan = _sim_plan(plan, device_type)
     # Tensors held in reference cycles are freed when the collector runs, which it does by counts
     # of allocations: collected now, it runs at the same points of every simulation, whatever
-    # the process ran before (else a peak moves with the process's history).
+    # the process ran before (else a peak moves with the process's history). Under
+    # :func:`frozen_heap`, this sees only what was made since.
     gc.collect()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.world_size)
     try:
@@ -642,7 +687,9 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
         device = torch.device("cpu")
         if plan.dims.pp > 1:
             tp_mesh = mesh["tp"] if plan.dims.tp > 1 else None
-            shapes = stage_shapes(plan, plan.micro_batch // plan.n_microbatches, tp_mesh)
+            shapes = stage_shapes(
+                plan, plan.micro_batch // plan.n_microbatches, tp_mesh, mesh["pp"].get_local_rank()
+            )
         # Parallelised on the meta device, as the trainer does; then fake memory for it. (The
         # pipeline's log of its stages and the TP plan's name are the trainer's, not the plan's.)
         with _quiet("fsdp2lab.parallel.pp"), _quiet("fsdp2lab.parallel.strategies"):
@@ -651,16 +698,20 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
             to_empty(model, device)
             optimizer = _unfused(build_optimizer(model.parameters(), plan.cfg))
 
-            def batches():
-                return _batch(plan)
-
-            pipeline = None
-            if plan.dims.pp > 1:
-                pipeline = static_pipeline(plan, model, mesh, device, batches()[0], shapes)
             counter = StepCounter(_group_dims(mesh))
             counter.trace.mark_optimizer(optimizer)
             forward = _ForwardFlops(counter)
             counters = (counter, forward.installed(model))
+            pipeline, rows = None, plan.micro_batch  # the samples a micro-batch runs
+            if plan.dims.pp > 1:
+                pipeline, rows = static_pipeline(
+                    plan, model, mesh, device, shapes, (counter, forward)
+                )
+
+            def batches():  # a whole micro-batch's samples in memory, ``rows`` of them run
+                x, y = _batch(plan)
+                return (x, y) if rows == plan.micro_batch else (x[:rows], y[:rows])
+
             tracker = memory_tracker(model, optimizer)
             with alike_loss_chunks(counter):
                 peak, by_category = track(
@@ -733,6 +784,21 @@ def alike_loss_chunks(counter: StepCounter):
         yield
     finally:
         loss._each_chunk = every
+
+
+@contextlib.contextmanager
+def frozen_heap():
+    """For a process that simulates many times: what is alive now is moved out of the
+    collector's reach (``gc.freeze``), so that each simulation's collection goes over only what
+    was made since (a few ms, where the whole heap of torch and a model library takes a third of
+    a second). What is frozen is never collected while frozen, so it frees nothing during a
+    simulation either."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ of a process that has run autograd's or OpenMP's threads can hang in the child.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import multiprocessing
 import os
 import time
@@ -43,14 +44,23 @@ class Simulations:
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._inline_s = 0.0
 
+    @property
+    def at_once(self) -> int:
+        """How many simulations run side by side from now on."""
+        return self.workers if self.workers > 1 and self._inline_s >= INLINE_S else 1
+
     def roles(self, plans: list[RunPlan], depths: list[int | None]) -> list[list[RoleRun]]:
-        """Every rank role (``stage_ranks`` order) of each of ``plans``: one layout's plans, each
-        with ``depths[i]`` layers a role (:func:`fsdp2lab.scale.layers.shallow`; None: all)."""
+        """Every rank role (``stage_ranks`` order) of each of ``plans`` at ``depths[i]`` layers a
+        role (:func:`fsdp2lab.scale.layers.shallow`; None: all)."""
+        from fsdp2lab.scale import layers
         from fsdp2lab.scale.simulate import simulate, stage_ranks
 
         jobs = [(i, rank) for i, plan in enumerate(plans) for rank in stage_ranks(plan)]
-        if self.workers <= 1 or len(jobs) <= 1 or self._inline_s < INLINE_S:
+        if self.at_once == 1 or len(jobs) <= 1:
             start = time.perf_counter()
+            plans = [
+                p if d is None else layers.shallow(p, d) for p, d in zip(plans, depths, strict=True)
+            ]
             runs = [simulate(plans[i], rank=rank) for i, rank in jobs]
             self._inline_s += time.perf_counter() - start
         else:
@@ -82,16 +92,19 @@ def _one_thread() -> None:
 
 
 _plans: dict[tuple, RunPlan] = {}  # a worker's latest plans, by (config, world size, depth)
+_heap = contextlib.ExitStack()  # the worker's heap, frozen once its first plan is made
 
 
 def _simulate(cfg: TrainConfig, world_size: int, depth: int | None, rank: int) -> RoleRun:
     from fsdp2lab.plan import resolve
     from fsdp2lab.scale import layers
-    from fsdp2lab.scale.simulate import simulate
+    from fsdp2lab.scale.simulate import frozen_heap, simulate
 
     key = (repr(cfg), world_size, depth)
     if key not in _plans:
         plan = resolve(cfg, world_size, "cuda")
+        if not _plans:  # torch and the model's library imported: out of the collector's way
+            _heap.enter_context(frozen_heap())
         if len(_plans) >= 4:
             del _plans[next(iter(_plans))]
         _plans[key] = plan if depth is None else layers.shallow(plan, depth)
