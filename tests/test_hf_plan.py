@@ -166,7 +166,7 @@ def h200_config(layers: int) -> dict:
             marks=pytest.mark.xfail(
                 strict=True,
                 raises=AssertionError,
-                reason="the plan is 11-36% faster than the H200 measured (docs/scale.md, "
+                reason="the plan is 11-34% faster than the H200 measured (docs/scale.md, "
                 "'Checked against published runs')",
             ),
         )

@@ -113,7 +113,7 @@ TIME_ROWS = {
 MISSED = pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
-    reason="the plan is 20-41% faster than published (docs/scale.md, 'Checked against "
+    reason="the plan is 20-39% faster than published (docs/scale.md, 'Checked against "
     "published runs'): kernels run below the published microbenchmarks' rates",
 )
 

@@ -3,7 +3,8 @@ runs the garbage collector first, so tensors held in reference cycles are freed 
 of every simulation. The same shallow pipeline copies (an 18-layer Llama, GPipe, full AC,
 accumulation: the case where the collector's timing moved a peak) simulated after other
 simulations, and after containers allocated to move the collector's counts, give every peak to
-the byte."""
+the byte, and every part of the step's time (the trace's ops and which storages each reads
+and writes) as before."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from fsdp2lab.config import config_from_args
 from fsdp2lab.plan import resolve
 from fsdp2lab.scale import layers
 from fsdp2lab.scale import simulate as sim
+from fsdp2lab.scale.estimate import Hardware, estimate
+from fsdp2lab.scale.gpus import get_gpu
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.hf
@@ -35,13 +38,14 @@ def plans(tmp_path_factory):
     return [layers.shallow(plan, m) for m in layers.SHALLOW], argv
 
 
-def _peaks(plans, shift: int = 0) -> list[int]:
-    """Each copy's rank roles' peaks, after ``shift`` containers allocated (moving the
-    collector's counts)."""
+def _peaks(plans, shift: int = 0) -> list[tuple]:
+    """Each copy's rank roles' peaks and step times, after ``shift`` containers allocated
+    (moving the collector's counts)."""
     held = [[] for _ in range(shift)]
-    peaks = [sim.simulate(p, rank=r).peak_bytes for p in plans for r in sim.stage_ranks(p)]
+    hw = Hardware(get_gpu("h100"), 8, 50.0)
+    runs = [(p, sim.simulate(p, rank=r)) for p in plans for r in sim.stage_ranks(p)]
     del held
-    return peaks
+    return [(run.peak_bytes, estimate(p, run, hw)["time"]) for p, run in runs]
 
 
 SHIFTS = (0, 151, 302, 453, 604)

@@ -6,9 +6,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fsdp2lab.scale.gpus import GPUS, LAUNCH_S, MATMUL_TILE
-from fsdp2lab.scale.op_trace import Op
+from fsdp2lab.scale.op_trace import Op, OpTrace
 from fsdp2lab.scale.timing import fused, matmul_s, step_time
 
 H100 = GPUS["h100"]
@@ -167,3 +169,32 @@ def test_a_softmax_over_rows_too_long_for_the_chip_reads_them_once_a_pass(
     assert forward.bytes == (forward_reads + 1) * tensor
     assert backward.read_bytes == tuple(n * tensor for n in backward_reads)
     assert backward.bytes == (sum(backward_reads) + 1) * tensor
+
+
+def test_a_storage_made_where_a_freed_one_was_is_another_to_the_trace():
+    """The trace keys storages by address; one made where a freed one was (by any op, not only
+    an allocation) must not be taken for it, else an op reading it would wait for whatever wrote
+    the freed one. The control: without a trace holding the freed storage, the allocator does
+    make the next one at its address."""
+
+    def made_after_a_free(trace: OpTrace | None) -> list[tuple[int, int]]:
+        out = []
+        with FakeTensorMode():
+            for _ in range(10):
+                a = torch.empty(4)
+                address = a.untyped_storage()._cdata
+                if trace is not None:  # a side stream writes it
+                    trace.collective("all_reduce", "dp_shard", [], [a], 0)
+                del a
+                b = torch.ones(4)
+                if trace is not None:
+                    trace.collective("all_reduce", "dp_shard", [b], [], 0)
+                out.append((address, b.untyped_storage()._cdata))
+                del b
+        return out
+
+    assert any(freed == made for freed, made in made_after_a_free(None))
+    trace = OpTrace()
+    made_after_a_free(trace)
+    writes, reads = trace.ops[0::2], trace.ops[1::2]
+    assert not {op.writes[0] for op in writes} & {op.reads[0] for op in reads}

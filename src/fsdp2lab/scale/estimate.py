@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fsdp2lab.scale.gpus import GPU
-from fsdp2lab.scale.timing import step_time
+from fsdp2lab.scale.timing import compute_floor_s, step_time
 
 if TYPE_CHECKING:  # importing them imports torch: ``fsdp2lab plan --help`` goes without it
     from fsdp2lab.plan import RunPlan
@@ -183,6 +183,7 @@ def estimate(plan: RunPlan, run: RoleRun, hw: Hardware) -> dict:
             "compute_s": compute_s,
             "matmul_s": t.busy["matmul"],
             "attention_s": t.busy["attention"],
+            "compute_floor_s": compute_floor_s(gpu, run.ops),
             "memory_bound_s": t.busy["memory"],
             "launch_bound_s": t.launch_bound_s,
             "kernels": t.kernels,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 aten = torch.ops.aten
 
@@ -20,14 +21,6 @@ MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
 SKIPPED_NAMESPACES = ("c10d", "_c10d_functional", "prim", "profiler")
 # FSDP2's copies into its all-gather and reduce-scatter buffers, run on their side streams.
 COPY_IN = ("all_gather_copy_in", "chunk_cat")
-# Ops that allocate a tensor, uninitialised: its storage may sit where a freed one was.
-ALLOCATING = {
-    aten.empty,
-    aten.empty_like,
-    aten.empty_strided,
-    aten.new_empty,
-    aten.new_empty_strided,
-}
 # Softmax kernels read a row from memory once per pass where the row is too long to stay on chip
 # (torch's SoftMax.cu keeps up to 10 registers x 16 bytes for each of a block's 1,024 threads, or a
 # row in its 48 KiB of shared memory; past that its kernels read the row again for each pass):
@@ -117,12 +110,18 @@ class OpTrace:
     def __init__(self) -> None:
         self.ops: list[Op] = []
         self.optimizer = False  # set while the optimizer steps
-        self._generation: dict[int, int] = {}  # storage address -> allocations seen there
+        # storage address -> a weak reference to the storage there, which keeps the address from
+        # being reused by another storage while the trace lives (however that one is made)
+        self._seen: dict[int, StorageWeakRef] = {}
 
     def _storage(self, t: torch.Tensor) -> int:
-        """A key for ``t``'s storage, new each time an allocation reuses the address."""
-        address = t.untyped_storage()._cdata
-        return address ^ (self._generation.get(address, 0) << 48)
+        """A key for ``t``'s storage: its address, which no other storage takes while the trace
+        lives."""
+        storage = t.untyped_storage()
+        address = storage._cdata
+        if address not in self._seen:
+            self._seen[address] = StorageWeakRef(storage)
+        return address
 
     def mark_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Mark the ops ``optimizer.step`` runs (from its hooks)."""
@@ -136,10 +135,6 @@ class OpTrace:
     def record(self, func, args, kwargs, out, flops: int) -> None:
         packet = func._overloadpacket
         namespace = func.namespace
-        if packet in ALLOCATING:
-            for t in tensors(out):
-                address = t.untyped_storage()._cdata
-                self._generation[address] = self._generation.get(address, 0) + 1
         if func.is_view or packet in NO_KERNEL or namespace in SKIPPED_NAMESPACES:
             return
         ins = tensors(args) + tensors(list(kwargs.values()))

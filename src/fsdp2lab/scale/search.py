@@ -35,7 +35,9 @@ leaner ranks first. Across families, a layout's step takes at least its matmuls'
 time (and the pipeline bubble's share of it, :func:`speed_ceiling`), which every layout that
 computes alike runs too (the same TP, PP and micro-batches, at least the same recomputation; any
 replicas, units and resharding, :func:`computes_alike`): where that ceiling is no faster than the
-fifth fastest that fits, none of them is simulated.
+fifth fastest that fits, none of them is simulated. And whatever the pipeline, a GPU's share of
+the matmuls and attention is that of a layout with its TP degree and no pipeline or
+recomputation (:func:`compute_ceiling`): with the bubble, that bounds every pipeline.
 
 **Shallow copies.** Where a model's layer units are alike (:mod:`fsdp2lab.scale.layers`), a
 layout is simulated at 2 and 4 layers a rank role, and each figure extended along the line
@@ -51,6 +53,7 @@ simulation): the figures printed are exact, and their order is by those.
 from __future__ import annotations
 
 import dataclasses
+import math
 import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -140,6 +143,16 @@ def speed_ceiling(f: dict) -> float:
     least = max((r["time"]["matmul_s"] + r["time"]["attention_s"]) * (1 + bubble)
                 for r in f["roles"])  # fmt: skip
     return f["tokens_per_s_per_gpu"] * f["step_s"] / least
+
+
+def compute_ceiling(f: dict) -> float:
+    """The most tokens/s per GPU that any layout with the TP degree of the one of figures ``f``
+    reaches, ``f`` being a layout without a pipeline or recomputation: a GPU's share of the
+    step's matmuls and attention is the same under a pipeline (a stage runs its part of the model
+    for as many times the samples as there are stages), so the stages' compute floors
+    (``compute_floor_s``) average at least ``f``'s, and the slowest stage's is no less. Under a
+    pipeline of P stages and n micro-batches, divide by 1 + (P - 1) / n (the bubble)."""
+    return f["tokens_per_s_per_gpu"] * f["step_s"] / f["roles"][0]["time"]["compute_floor_s"]
 
 
 def _divisors(n: int) -> list[int]:
@@ -349,6 +362,7 @@ def search(
         )
     figures: dict[Layout, dict] = {}  # every layout simulated or derived
     ceilings: dict[Layout, float] = {}  # their speed_ceiling
+    computing: dict[int, float] = {}  # per TP degree, the least compute_ceiling
     exact: set[Layout] = set()  # those simulated themselves
     done: set[Layout] = set()  # those pruned
     counts = {
@@ -362,6 +376,8 @@ def search(
     def record(layout: Layout, f: dict) -> None:
         figures[layout] = f
         ceilings[layout] = speed_ceiling(f)
+        if layout.pp == 1 and layout.ac == "none":
+            computing[layout.tp] = min(computing.get(layout.tp, math.inf), compute_ceiling(f))
 
     def fifth() -> float:
         fit = sorted(
@@ -373,6 +389,9 @@ def search(
         return any(not f["fits"] and leaner(a, layout) for a, f in figures.items())
 
     def capped(layout: Layout, bar: float) -> bool:
+        bubble = 1 + (layout.pp - 1) / layout.n
+        if computing.get(layout.tp, math.inf) / bubble <= bar:
+            return True
         return any(c <= bar and computes_alike(a, layout) for a, c in ceilings.items())
 
     def too_slow(layout: Layout) -> bool:

@@ -68,6 +68,15 @@ def matmul_s(gpu: GPU, flops: int, nbytes: int, mnk: tuple[int, int, int]) -> fl
     return max(flops / (gpu.mamf_tflops * 1e12 * useful), nbytes / (gpu.hbm_tbs * 1e12))
 
 
+def compute_floor_s(gpu: GPU, ops: list[Op]) -> float:
+    """The least time the compute stream takes over ``ops``' matmuls and attention: each matmul
+    at the MAMF with no wave of tiles lost (what :func:`matmul_s` never goes below), attention as
+    timed."""
+    matmul_flops = sum(op.flops for op in ops if op.kind == "matmul")
+    attention = sum(kernel_s(gpu, op) for op in ops if op.kind == "attention")
+    return matmul_flops / (gpu.mamf_tflops * 1e12) + attention
+
+
 def kernel_s(gpu: GPU, op: Op) -> float:
     """One kernel's time on its stream (collectives: see :func:`step_time`)."""
     if op.kind == "matmul":

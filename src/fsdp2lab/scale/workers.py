@@ -11,6 +11,7 @@ of a process that has run autograd's or OpenMP's threads can hang in the child.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
 import multiprocessing
@@ -105,6 +106,9 @@ def _simulate(cfg: TrainConfig, world_size: int, depth: int | None, rank: int) -
         plan = resolve(cfg, world_size, "cuda")
         if not _plans:  # torch and the model's library imported: out of the collector's way
             _heap.enter_context(frozen_heap())
+            # thawed at exit, so that the interpreter's last collection frees it (else
+            # libraries that check for leaks at exit, as triton's bindings do, report them)
+            atexit.register(_heap.close)
         if len(_plans) >= 4:
             del _plans[next(iter(_plans))]
         _plans[key] = plan if depth is None else layers.shallow(plan, depth)
