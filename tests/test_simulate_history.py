@@ -3,10 +3,12 @@ runs the garbage collector first, so tensors held in reference cycles are freed 
 of every simulation. The same shallow pipeline copies (an 18-layer Llama, GPipe, full AC,
 accumulation: the case where the collector's timing moved a peak) simulated after other
 simulations, and after containers allocated to move the collector's counts, give every peak to
-the byte, and every part of the step's time (the trace's ops and which storages each reads
-and writes) as before."""
+the byte, and every part of the step's time, eager and compiled (which follows from the trace's
+ops and the storages each reads and writes), as before."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -38,21 +40,25 @@ def plans(tmp_path_factory):
     return [layers.shallow(plan, m) for m in layers.SHALLOW], argv
 
 
-def _peaks(plans, shift: int = 0) -> list[tuple]:
-    """Each copy's rank roles' peaks and step times, after ``shift`` containers allocated
-    (moving the collector's counts)."""
+def _figures(plans, shift: int = 0) -> list[tuple]:
+    """Each copy's rank roles' peaks and step times (eager and under ``--compile``), after
+    ``shift`` containers allocated (moving the collector's counts)."""
     held = [[] for _ in range(shift)]
     hw = Hardware(get_gpu("h100"), 8, 50.0)
     runs = [(p, sim.simulate(p, rank=r)) for p in plans for r in sim.stage_ranks(p)]
     del held
-    return [(run.peak_bytes, estimate(p, run, hw)["time"]) for p, run in runs]
+    compiled = [
+        dataclasses.replace(p, cfg=dataclasses.replace(p.cfg, compile=True)) for p, _ in runs
+    ]
+    return [(run.peak_bytes, estimate(p, run, hw)["time"], estimate(c, run, hw)["time"])
+            for (p, run), c in zip(runs, compiled, strict=True)]  # fmt: skip
 
 
 SHIFTS = (0, 151, 302, 453, 604)
 
 
-def test_peaks_do_not_depend_on_earlier_simulations(plans):
+def test_figures_do_not_depend_on_earlier_simulations(plans):
     plans = plans[0]
-    first = _peaks(plans)
-    assert all(_peaks(plans, shift) == first for shift in SHIFTS[1:])
-    assert _peaks(plans[::-1]) == first[2:] + first[:2]  # the deeper copy first
+    first = _figures(plans)
+    assert all(_figures(plans, shift) == first for shift in SHIFTS[1:])
+    assert _figures(plans[::-1]) == first[2:] + first[:2]  # the deeper copy first
