@@ -196,7 +196,7 @@ def lora_summary(plan: RunPlan) -> dict:
     }
 
 
-def _gib(n: float) -> str:
+def gib_text(n: float) -> str:
     if abs(n) < GIB:
         return f"{n / 2**20:,.1f} MiB"
     return f"{n / GIB:,.2f} GiB"
@@ -236,22 +236,22 @@ def format_report(r: dict) -> str:
         for key in ("params", "grads", "optimizer_state", "unsharded_params", "unsharded_grads",
                     "activations", "temporaries", "all_gather", "reduce_scatter", "inputs"):  # fmt: skip
             if key in mem:
-                lines.append(f"    {key:<18} {_gib(mem[key])}")
-        lines.append(f"    {'peak total':<18} {_gib(mem['peak_bytes'])}")
+                lines.append(f"    {key:<18} {gib_text(mem[key])}")
+        lines.append(f"    {'peak total':<18} {gib_text(mem['peak_bytes'])}")
         step = role["phases"][0]  # the training step
         lines.append(
-            f"    reserved (estimate) {_gib(mem['reserved_bytes_estimate'])} + "
-            f"{_gib(mem['non_torch_bytes_estimate'])} outside PyTorch of {_gib(mem['gpu_bytes'])}: "
+            f"    reserved (estimate) {gib_text(mem['reserved_bytes_estimate'])} + "
+            f"{gib_text(mem['non_torch_bytes_estimate'])} outside PyTorch of {gib_text(mem['gpu_bytes'])}: "
             + ("FITS" if step["fits"] else "DOES NOT FIT")
-            + f" with {r['margin']:.0%} margin (headroom {_gib(step['headroom_bytes'])})"
+            + f" with {r['margin']:.0%} margin (headroom {gib_text(step['headroom_bytes'])})"
         )
         if len(role["phases"]) > 1:
             lines.append("  phases (tracked peak, reserved estimate; host memory):")
             for phase in role["phases"]:
-                host = f"; host {_gib(phase['host_bytes'])}" if phase["host_bytes"] else ""
+                host = f"; host {gib_text(phase['host_bytes'])}" if phase["host_bytes"] else ""
                 lines.append(
-                    f"    {phase['phase']:<20} {_gib(phase['peak_bytes']):>11}, "
-                    f"{_gib(phase['reserved_bytes_estimate']):>11}: "
+                    f"    {phase['phase']:<20} {gib_text(phase['peak_bytes']):>11}, "
+                    f"{gib_text(phase['reserved_bytes_estimate']):>11}: "
                     + ("fits" if phase["fits"] else "DOES NOT FIT")
                     + f"{host} ({phase['note']})"
                 )
@@ -265,8 +265,8 @@ def format_report(r: dict) -> str:
                 )
             )
         lines.append(
-            f"  sharded state: {_gib(role['state_bytes'])} (params {_gib(role['state']['param_bytes'])}, "
-            f"grads {_gib(role['state']['grad_bytes'])}, optimizer {_gib(role['state']['optimizer_state_bytes'])})"
+            f"  sharded state: {gib_text(role['state_bytes'])} (params {gib_text(role['state']['param_bytes'])}, "
+            f"grads {gib_text(role['state']['grad_bytes'])}, optimizer {gib_text(role['state']['optimizer_state_bytes'])})"
         )
         lines.append("  communication per step:")
         for dim, entry in role["comm"].items():
@@ -274,7 +274,7 @@ def format_report(r: dict) -> str:
             for kind, c in entry.items():
                 if isinstance(c, dict):
                     lines.append(
-                        f"    {dim:<13} {kind:<15} {c['calls']:>4} calls {_gib(c['bytes']):>13} "
+                        f"    {dim:<13} {kind:<15} {c['calls']:>4} calls {gib_text(c['bytes']):>13} "
                         f"({where}, {entry['bandwidth_gbs']:g} GB/s): {c['seconds'] * 1e3:,.1f} ms"
                     )
         t = role["time"]
@@ -301,9 +301,9 @@ def format_report(r: dict) -> str:
         o = r["grad_accum_other"]
         lines.append(
             f"gradient accumulation: --grad-accum-reduce {r['grad_accum_reduce']} (above); with "
-            f"{o['grad_accum_reduce']}: peak {_gib(o['peak_bytes_per_rank'])}, "
+            f"{o['grad_accum_reduce']}: peak {gib_text(o['peak_bytes_per_rank'])}, "
             f"step {o['step_s'] * 1e3:,.1f} ms, {o['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
-            + ", ".join(f"{d} {_gib(b)}" for d, b in o["comm_bytes_per_step"].items())
+            + ", ".join(f"{d} {gib_text(b)}" for d, b in o["comm_bytes_per_step"].items())
             + " a step"
         )
     if r.get("alternatives"):
@@ -314,8 +314,8 @@ def format_report(r: dict) -> str:
             continue
         peak = alt["phases"][alt["peak_phase"]]
         lines.append(
-            f"  instead: {alt['change']}: peak {_gib(peak['peak_bytes'])}, reserved "
-            f"{_gib(peak['reserved_bytes_estimate'])} ({alt['peak_phase']}), "
+            f"  instead: {alt['change']}: peak {gib_text(peak['peak_bytes'])}, reserved "
+            f"{gib_text(peak['reserved_bytes_estimate'])} ({alt['peak_phase']}), "
             f"{'fits' if alt['fits'] else 'does not fit'}, "
             f"step {alt['step_s'] * 1e3:,.1f} ms, {alt['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
             f"MFU {alt['mfu']:.1%}"

@@ -61,6 +61,7 @@ from dataclasses import dataclass
 from fsdp2lab.config import _FIELDS, AC_MODES, TrainConfig
 from fsdp2lab.errors import UsageError
 from fsdp2lab.scale.estimate import Hardware
+from fsdp2lab.scale.report import combine, gib_text, summarize
 
 TOP = 5
 # The flags a search chooses; one given is kept fixed, but for --batch-size and --dp-shard.
@@ -349,7 +350,6 @@ def search(
     from fsdp2lab.plan import resolve
     from fsdp2lab.scale import layers
     from fsdp2lab.scale.estimate import estimate
-    from fsdp2lab.scale.report import _gib, combine, summarize
     from fsdp2lab.scale.simulate import frozen_heap
     from fsdp2lab.scale.workers import Simulations, cpus
 
@@ -497,7 +497,7 @@ def search(
         if not ranked:
             least = min(f["reserved_bytes_per_rank"] for f in figures.values())
             raise UsageError(
-                f"no layout fits: the leanest searched needs {_gib(least)} "
+                f"no layout fits: the leanest searched needs {gib_text(least)} "
                 f"reserved of the {hw.gpu.description}'s {hw.gpu.hbm_gib:g} GiB (margin "
                 f"{hw.margin:.0%}); try more GPUs, a bigger GPU or a smaller --global-batch-size"
             )
@@ -616,11 +616,9 @@ def format_search(r: dict) -> str:
         parts = " + ".join(
             f"{name} {_ms(t[key])}" for key, name in STEP_PARTS if t.get(key) or key == "matmul_s"
         )
-        from fsdp2lab.scale.report import _gib
-
         lines.append(
             f"{i}. {e['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, MFU {e['mfu']:.1%}, reserved "
-            f"{_gib(e['reserved_bytes_per_rank'])} (peak: {e['peak_phase']}), "
+            f"{gib_text(e['reserved_bytes_per_rank'])} (peak: {e['peak_phase']}), "
             f"{e['label']} "
             + " x ".join(f"{k}={v}" for k, v in e["mesh"].items())
             + f", AC {e['layout']['ac']}, micro-batch {e['micro_batch']}"
