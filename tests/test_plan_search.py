@@ -15,6 +15,7 @@ import pytest
 from fsdp2lab.cli import build_parser, main
 from fsdp2lab.config import config_from_args
 from fsdp2lab.plan import resolve
+from fsdp2lab.scale import search as search_module
 from fsdp2lab.scale import workers
 from fsdp2lab.scale.estimate import GIB, NON_TORCH_GIB, Hardware, estimate
 from fsdp2lab.scale.gpus import get_gpu
@@ -48,7 +49,7 @@ def margin_below(needed_reserved: int) -> str:
 
 
 @pytest.mark.slow
-def test_search_where_memory_rules_out_the_fastest(capsys):
+def test_search_where_memory_rules_out_the_fastest(capsys, monkeypatch):
     """With room for everything, the fastest layout wins; with a margin that leaves it one byte
     short, it is gone, the next fit in order of tokens/s, and every printed command, planned by
     ``fsdp2lab plan``, gives the printed figures (the five are planned exactly)."""
@@ -79,7 +80,11 @@ def test_search_where_memory_rules_out_the_fastest(capsys):
     assert [e["tokens_per_s_per_gpu"] for e in pruned["top"]] == [
         e["tokens_per_s_per_gpu"] for e in every["top"]
     ]
-    text = format_search(tight)  # what plan --search prints of the same search
+    # without --json, plan --search prints that search as format_search writes it (not run again)
+    monkeypatch.setattr(search_module, "search", lambda *args, **kwargs: tight)
+    assert main(["plan", *GPT, *WORLD, "--memory-margin", margin, "--search"]) == 0
+    text = capsys.readouterr().out
+    assert text == format_search(tight) + "\n"
     assert text.count("fsdp2lab train ") == 5 and "1. " in text and "tokens/s/GPU" in text
     steps = [line.split() for line in text.splitlines() if line.startswith("   step ")]
     assert len(steps) == 5
