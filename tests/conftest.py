@@ -242,6 +242,14 @@ def tmpfs(folder: Path, size: str):
         subprocess.run(["umount", str(folder)], check=True)
 
 
+@pytest.fixture(autouse=True)
+def _consent_lasts_one_test():
+    """What a test's command line consented to (fsdp2lab.consent) ends with it, as with a command."""
+    yield
+    if consent := sys.modules.get("fsdp2lab.consent"):
+        consent.reset()
+
+
 @pytest.fixture
 def one_rank(tmp_path: Path):
     """A one-rank gloo process group in this process, as the trainer runs under."""

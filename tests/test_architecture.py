@@ -21,7 +21,7 @@ def _module_name(path: Path) -> str:
 # imports (``if TYPE_CHECKING:``) included. Where a lower package needs the shape of a higher
 # object (checkpoint/ of the trainer, parallel/ of the run plan) it declares a ``Protocol``.
 LEVELS = [
-    {"errors", "tomlio", "config"},
+    {"errors", "tomlio", "consent", "config"},
     {"runtime"},
     {"models"},
     {"parallel"},

@@ -14,7 +14,7 @@ import pytest
 import torch.nn as nn
 
 from conftest import run_cli
-from fsdp2lab import cli
+from fsdp2lab import cli, consent
 from fsdp2lab.bench import runner, sweep
 from fsdp2lab.config import TrainConfig, add_train_arguments, config_from_args
 from fsdp2lab.data.loader import choose
@@ -63,6 +63,13 @@ def mine(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.fixture
+def code_allowed():
+    """``--allow-code``, as a command line gives it: the consent gate opens, the wall stays."""
+    with consent.granted():
+        yield
+
+
 @pytest.mark.parametrize(
     "reference, why",
     [
@@ -82,9 +89,9 @@ def mine(tmp_path, monkeypatch):
         ("mine.py:import_module", "importlib.import_module is defined in Python's standard"),
     ],
 )
-def test_code_not_your_own_is_refused(mine, reference, why):
+def test_code_not_your_own_is_refused(mine, code_allowed, reference, why):
     with pytest.raises(RefusedReference, match=f"--model '{reference}' is refused: .*{why}"):
-        load_object(reference, "--model")
+        load_object(reference, "--model", "model")
 
 
 @pytest.mark.parametrize(
@@ -99,11 +106,11 @@ def test_code_not_your_own_is_refused(mine, reference, why):
         ("fsdp2lab.models.gpt:SPEC", "ModelSpec"),
     ],
 )
-def test_models_and_your_own_code_load(mine, reference, kind):
-    assert type(load_object(reference, "--model")).__name__ == kind
+def test_models_and_your_own_code_load(mine, code_allowed, reference, kind):
+    assert type(load_object(reference, "--model", "model")).__name__ == kind
 
 
-def test_a_models_spec_from_a_library_module_class(mine):
+def test_a_models_spec_from_a_library_module_class(mine, code_allowed):
     spec = get_spec("torch.nn:Linear", TrainConfig(model="torch.nn:Linear", input_shape="8"))
     assert isinstance(spec, ModelSpec)
     built = spec.build(
@@ -123,20 +130,22 @@ def _python_tree(root: Path, parts: str = "usr/lib/python3.9") -> Path:
 
 
 @pytest.mark.parametrize("parts", ["usr/lib/python3.9", "opt/py/lib64/python3.13t"])
-def test_a_python_tree_outside_this_interpreter_is_refused_unimported(tmp_path, parts):
+def test_a_python_tree_outside_this_interpreter_is_refused_unimported(tmp_path, code_allowed,
+                                                                     parts):  # fmt: skip
     file = _python_tree(tmp_path, parts)
     file.write_text(f"open({str(tmp_path / 'imported')!r}, 'w')\n" + file.read_text())
     with pytest.raises(RefusedReference, match=r"is in a Python installation \(a lib/python3"):
-        load_object(f"{file}:run", "--model")
+        load_object(f"{file}:run", "--model", "model")
     assert not (tmp_path / "imported").exists()
 
 
-def test_a_standard_library_function_is_refused_by_its_module_name(mine, monkeypatch):
+def test_a_standard_library_function_is_refused_by_its_module_name(mine, code_allowed,
+                                                                  monkeypatch):  # fmt: skip
     """The last wall: a Python laid out where no path rule sees it (the file checks pass)."""
     monkeypatch.setattr(user, "_library_of", lambda path: None)
     with pytest.raises(RefusedReference, match="subprocess.run is part of Python's standard"):
-        load_object("mine.py:launch", "--model")
-    assert callable(load_object("mine.py:build", "--model"))  # your own code still loads
+        load_object("mine.py:launch", "--model", "model")
+    assert callable(load_object("mine.py:build", "--model", "model"))  # your own code still loads
 
 
 def _config(path: Path, text: str, *flags: str) -> TrainConfig:
@@ -223,7 +232,7 @@ def test_the_issues_probe_through_the_cli(tmp_path):
     assert not (tmp_path / "PWNED").exists()
 
 
-def test_dataset_reference_refused_before_workers_start(mine):
+def test_dataset_reference_refused_before_workers_start(mine, code_allowed):
     cfg = TrainConfig(model="mlp", dataset="mine.py:launch")
     with pytest.raises(RefusedReference, match="--dataset 'mine.py:launch' is refused"):
         choose(cfg, get_spec("mlp", cfg))
@@ -259,41 +268,44 @@ def test_a_sweep_file_naming_code_needs_allow_code(mine, table, key):
         sweep.load_sweep(str(path))
     # With it, the second wall: code not your own is still refused, before any run.
     refused = f"bench: {table} {key} 'mine.py:launch' is refused: subprocess.run is defined in"
-    with pytest.raises(UsageError, match=re.escape(refused)):
-        sweep.plan(sweep.load_sweep(str(path), allow_code=True))
+    with pytest.raises(UsageError, match=re.escape(refused)), consent.granted():
+        sweep.plan(sweep.load_sweep(str(path)))
 
 
 @pytest.mark.parametrize("table, key", _TABLES)
-def test_sweep_file_naming_os_system_is_refused(tmp_path, table, key):
+def test_sweep_file_naming_os_system_is_refused(tmp_path, code_allowed, table, key):
     path = _sweep_file(tmp_path, table, f'{key} = "os:system"\n')
     with pytest.raises(UsageError, match=re.escape(f"bench: {table} {key} 'os:system' is refused")):
-        sweep.plan(sweep.load_sweep(str(path), allow_code=True))
+        sweep.plan(sweep.load_sweep(str(path)))
 
 
 @pytest.mark.parametrize(
-    "flags, keys, passed",
+    "flags, keys, on_the_run",
     [
-        (["--allow-code"], 'loss = "mine.py:ce"\n', True),
-        ([], "max_steps = 1\n", False),
-        (["--allow-code"], "max_steps = 1\n", True),
-        (["--", "--loss", "mine.py:ce"], "max_steps = 1\n", True),  # typed: the user's own
+        (["--allow-code"], 'loss = "mine.py:ce"\n', ["--allow-code"]),
+        ([], "max_steps = 1\n", []),
+        (["--allow-code"], "max_steps = 1\n", ["--allow-code"]),
+        # typed: the user's own, on the run's command line too; nothing else is allowed there
+        (["--", "--loss", "mine.py:ce"], "max_steps = 1\n", ["--loss", "mine.py:ce"]),
     ],
 )
-def test_bench_passes_allow_code_on_only_when_the_user_gave_it(mine, monkeypatch, flags, keys,
-                                                               passed):  # fmt: skip
-    seen = {}
+def test_bench_passes_on_only_the_consent_its_user_gave(mine, monkeypatch, flags, keys,
+                                                        on_the_run):  # fmt: skip
+    commands = []
 
     def run_sweep(runs, out, **kw):
-        seen["allow_code"] = kw["allow_code"]
+        commands.extend(
+            runner.command(run, out, "local", allow_code=kw["allow_code"]) for run in runs
+        )
         return []
 
     monkeypatch.setattr(runner, "run_sweep", run_sweep)
     path = _sweep_file(mine, "[train]", keys)
     args = ["bench", "--sweep", str(path), "--out", str(mine / "out"), *flags]
     assert cli.main(args) == 0
-    assert seen == {"allow_code": passed}
-    run = sweep.RunSpec("r", "ddp", 1, "mlp", "fp32", "true", 1, {})
-    assert ("--allow-code" in runner.command(run, mine, "local", allow_code=passed)) == passed
+    (command,) = commands
+    given = [a for a in command if a in ("--allow-code", "--loss", "mine.py:ce")]
+    assert given == on_the_run, command
 
 
 @pytest.mark.slow  # the CLI's bench in a subprocess; the sweep check itself is tested above

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from fsdp2lab.checkpoint import safetensors_export as st_export
+from fsdp2lab.checkpoint.targets import MARK
 from test_export_safetensors import _odd_tensors, _save
 
 GOLDEN = Path(__file__).parent / "fixtures" / "export_golden.json"
@@ -53,7 +54,9 @@ def describe(out: Path) -> dict:
     if out.is_dir():
         index = out / st_export.INDEX_FILE
         found["index"] = json.loads(index.read_text())["weight_map"] if index.exists() else None
-        found["others"] = sorted(p.name for p in out.iterdir() if p.suffix != ".safetensors")
+        found["others"] = sorted(
+            p.name for p in out.iterdir() if p.suffix != ".safetensors" and p.name != MARK
+        )  # fsdp2lab's mark: tests/test_save_targets.py
     return found
 
 

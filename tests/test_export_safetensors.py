@@ -13,9 +13,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from fsdp2lab import cli
-from fsdp2lab.checkpoint import layout
+from fsdp2lab.checkpoint import layout, targets
 from fsdp2lab.checkpoint import safetensors_export as st_export
 from fsdp2lab.checkpoint.state import MODEL, RUN
+from fsdp2lab.config import parse_size
 from fsdp2lab.errors import UsageError
 
 pytestmark = [
@@ -75,7 +76,7 @@ def test_folder_layout_shards_with_an_index(tmp_path: Path):
     weights = _odd_tensors()
     ckpt = _save(tmp_path / "step-3", weights)
     out = tmp_path / "out"
-    out.mkdir()
+    layout.mark_own(out, targets.MARK)
     (out / "model.safetensors").write_bytes(b"stale")  # from an earlier, unsharded export
     done = st_export.export_safetensors(ckpt, out, max_shard_size=300)
     index = json.loads((out / st_export.INDEX_FILE).read_text())
@@ -169,11 +170,11 @@ def test_without_torchs_consolidation_each_file_is_written_whole_and_said(
 
 
 def test_sizes_and_refusals(tmp_path: Path, capsys, monkeypatch):
-    assert st_export.parse_size("5GB") == 5 * 10**9
-    assert st_export.parse_size("2GiB") == 2 * 2**30
-    assert st_export.parse_size("1000") == 1000
+    assert parse_size("5GB") == 5 * 10**9
+    assert parse_size("2GiB") == 2 * 2**30
+    assert parse_size("1000") == 1000
     with pytest.raises(UsageError, match="not a size"):
-        st_export.parse_size("lots")
+        parse_size("lots")
     ckpt = _save(tmp_path / "step-3", {"w": torch.ones(2)})
     hf = tmp_path / "config.json"
     hf.write_text(json.dumps({"model_type": "llama"}))

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import assert_close_lists, train
-from fsdp2lab import cli
+from fsdp2lab import cli, consent
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.models.materialize import build_on_meta, init_weights, to_empty
 from fsdp2lab.plan import resolve
@@ -73,7 +73,8 @@ def test_fsdp2_per_decoder_layer_matches_one_process_at_every_step(runs, text_fi
     assert len(per_rank) == 2 and max(per_rank) <= full / 2 + 256, (full, per_rank)
     cfg = TrainConfig(model=f"{EXAMPLE}:build", dataset="text", text_file=str(text_file),
                       seq_len=32, vocab_size=256, strategy="fsdp2", fsdp_units="layer")  # fmt: skip
-    plan = resolve(cfg, 2)
+    with consent.granted():  # in-process: as the command line consents
+        plan = resolve(cfg, 2)
     assert plan.units == ("model.layers.0", "model.layers.1")
     assert {type(plan.meta_model.get_submodule(u)).__name__ for u in plan.units} == {
         "LlamaDecoderLayer"

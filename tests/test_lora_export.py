@@ -86,7 +86,7 @@ def test_adapter_folder_loads_in_peft_with_the_trained_models_logits(run):
     from fsdp2lab.models import lora
 
     assert sorted(p.name for p in run.adapter.iterdir()) == [
-        "adapter_config.json", "adapter_model.safetensors"]  # fmt: skip
+        ".fsdp2lab-export", "adapter_config.json", "adapter_model.safetensors"]  # fmt: skip
     config = json.loads((run.adapter / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 8, "LORA")
     assert set(config["target_modules"]) == {

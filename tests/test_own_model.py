@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import assert_close_lists, read_metrics, run_cli
-from fsdp2lab import cli
+from fsdp2lab import cli, consent
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.plan import resolve
 from test_strategies import train_in_ranks
@@ -141,7 +141,14 @@ def test_own_model_matches_one_process_at_every_step(runs, name):
     assert_close_lists(_losses(runs[name]), reference, 1e-5)
 
 
-def test_units_are_inferred_and_tied_weights_stay_tied(model_file, monkeypatch):
+@pytest.fixture
+def code_allowed():
+    """In-process plans import the model file, as with ``--allow-code`` (fsdp2lab.consent)."""
+    with consent.granted():
+        yield
+
+
+def test_units_are_inferred_and_tied_weights_stay_tied(model_file, code_allowed):
     plan = resolve(TrainConfig(model=f"{model_file}:build", dataset="synthetic", vocab_size=64), 2)
     assert plan.units == ("blocks.0", "blocks.1", "blocks.2")
     head, emb = plan.meta_model.head, plan.meta_model.emb
@@ -213,7 +220,7 @@ def test_bad_own_model_is_one_message_and_exit_2(model_file, tmp_path, capsys, f
     assert re.search(message, err), err
 
 
-def test_a_run_builds_the_model_once(model_file, monkeypatch, tmp_path):
+def test_a_run_builds_the_model_once(model_file, monkeypatch, tmp_path, code_allowed):
     """The plan is resolved once per process and the factory called once (on the meta device):
     the trainer parallelises a copy of the plan's meta model."""
     import torch.distributed as dist

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from conftest import run_cli, train
+from fsdp2lab.checkpoint import layout
+from fsdp2lab.checkpoint.targets import MARK
 
 pytestmark = [pytest.mark.hf]
 transformers = pytest.importorskip("transformers")
@@ -93,7 +95,7 @@ def test_two_ranks_save_a_folder_from_pretrained_loads_with_the_trained_logits(l
     assert run.summary["steps"] == 3
     assert f"Hugging Face model saved to {out} at step 3" in run.stdout
     assert sorted(p.name for p in out.iterdir()) == [
-        "config.json", "generation_config.json", "model.safetensors",
+        ".fsdp2lab-export", "config.json", "generation_config.json", "model.safetensors",
     ]  # fmt: skip
     assert not list(tmp_path.glob(".out.*"))  # the temporary folder was renamed into place
 
@@ -165,7 +167,7 @@ def test_a_lora_run_saves_the_peft_adapter_folder_ckpt_export_writes(llama, tmp_
 
     assert cli.main(["ckpt", "export", str(ckpt), str(exported)]) == 0  # PEFT's save_pretrained
     names = ["adapter_config.json", "adapter_model.safetensors"]
-    assert sorted(p.name for p in out.iterdir()) == names
+    assert sorted(p.name for p in out.iterdir()) == [".fsdp2lab-export", *names]
     saved, reference = (load_file(f / names[1]) for f in (out, exported))
     assert saved.keys() == reference.keys() and len(saved) == 6 * 7 * 2
     assert all(torch.equal(saved[k], reference[k]) for k in saved)
@@ -196,7 +198,7 @@ def test_a_lora_run_with_merge_saves_the_merged_model_ckpt_export_merge_writes(l
                 "--ckpt-dir", str(ckpt), *COMMON[:-2], "--lr", "1e-2")  # fmt: skip
     assert f"Hugging Face model saved to {out} at step 2" in run.stdout
     assert sorted(p.name for p in out.iterdir()) == [
-        "config.json", "generation_config.json", "model.safetensors",
+        ".fsdp2lab-export", "config.json", "generation_config.json", "model.safetensors",
     ]  # fmt: skip
     exported, adapter = tmp_path / "exported", tmp_path / "adapter"
     assert cli.main(["ckpt", "export", str(ckpt), str(exported), "--merge"]) == 0
@@ -275,7 +277,7 @@ def every_two_steps(llama: Path, tmp_path: Path, *flags: str):
 @pytest.fixture(scope="module")
 def sync_run(llama, tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("sync")
-    (tmp_path / "out").mkdir()
+    layout.mark_own(tmp_path / "out", MARK)
     (tmp_path / "out" / "model.safetensors").write_bytes(b"an earlier export")  # replaced
     return every_two_steps(llama, tmp_path)
 
@@ -331,7 +333,7 @@ def test_a_folder_it_must_not_replace_is_refused_before_training(llama, tmp_path
     (other / "notes.txt").write_text("mine")
     for out, why in (
         (source, "it is the model folder the run started from"),
-        (other, "it holds other files than an export's (notes.txt)"),
+        (other, "fsdp2lab did not write that folder (it has no .fsdp2lab-export mark)"),
     ):
         proc = run_cli(["train", "--model", f"hf:{source}", "--nproc-per-node", "2",
                         "--max-steps", "2", "--save-hf", str(out), *COMMON], cwd=tmp_path)  # fmt: skip

@@ -79,6 +79,11 @@ BAD_FOLDERS = {
         "--dataset tokens:{d}: its largest token id is 400, beyond the model's vocabulary "
         "(320 tokens: ids 0 to 319)",
     ),
+    "ids-above-the-vocabulary-without-max-token-id": (  # the header's vocabulary says 300
+        lambda d: token_folder(d, largest=400, max_token_id=None),
+        "--dataset tokens:{d}: its largest token id is 400 (read from its files: tokens.json has "
+        "none), beyond the model's vocabulary (320 tokens: ids 0 to 319)",
+    ),
     "train-shorter-than-its-header": (
         lambda d: shorter(token_folder(d)),
         "{d}/train.bin: 400 bytes, but tokens.json gives 400 uint16 tokens (800 bytes): an "
@@ -128,6 +133,20 @@ def test_through_the_cli_it_is_one_line_and_exit_code_2(tmp_path, capsys):
     assert out.err == f"fsdp2lab: error: {BAD_FOLDERS['ids-above-the-vocabulary'][1]}\n".format(
         d=folder
     )
+    assert out.out == ""
+
+
+def test_ids_past_the_vocabulary_without_a_recorded_largest_id_are_one_line(tmp_path, capsys):
+    """A header without ``max_token_id`` whose files hold ids past the model's vocabulary (its
+    own ``vocab_size`` below the model's): the files are read at start, one line, exit code 2,
+    no worker started (an ``IndexError`` traceback before)."""
+    folder = token_folder(tmp_path / "t", largest=400, max_token_id=None)
+    args = ["train", *GPT_TINY, "--vocab-size", str(VOCAB), "--dataset", f"tokens:{folder}",
+            "--nproc-per-node", "2", "--progress", "off"]  # fmt: skip
+    assert cli.main(args) == 2
+    out = capsys.readouterr()
+    message = BAD_FOLDERS["ids-above-the-vocabulary-without-max-token-id"][1].format(d=folder)
+    assert out.err == f"fsdp2lab: error: {message}\n"
     assert out.out == ""
 
 

@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import sys
 import time
 from collections.abc import Mapping
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fsdp2lab import tomlio
+from fsdp2lab import consent, tomlio
 from fsdp2lab.errors import UsageError
 
 if sys.version_info >= (3, 11):
@@ -262,6 +263,18 @@ class TrainConfig:
     save_hf_every_steps: int | None = _opt(
         None, "also write --save-hf DIR every N optimizer steps (replacing the previous one)"
     )
+    save_dtype: str | None = _opt(
+        None,
+        "--save-hf DIR's dtype of floating tensors (default: the source model's, as its "
+        "config.json names it, else fp32; a PEFT adapter folder's adapters: as trained)",
+        choices=PRECISIONS,
+    )
+    max_shard_size: str | None = _opt(
+        None,
+        "--save-hf DIR: safetensors files of at most SIZE (5GB, 500MB, 2GiB) and their index; "
+        "default 5GB",
+        metavar="SIZE",
+    )
     merge: bool = _opt(
         False,
         "a LoRA run's --save-hf DIR: the base model with the adapters merged in (W + scale * B @ "
@@ -342,31 +355,65 @@ RETIRED = {
 _DEFAULT = "<default>"  # a flag given without its optional value
 # Keys whose value may name code (``module:attr``, ``file.py:attr``) that fsdp2lab imports and calls.
 CODE_KEYS = ("model", "dataset", "loss")
-# Prefixes of pretrained models and token files: they win over the ``module:attr`` form.
-PREFIXES = ("hf:", "tokens:")
-ALLOW_CODE_HELP = (
-    "run the code (module:NAME, file.py:NAME) that a config or sweep file names as model, "
-    "dataset or loss; without it such a file is refused (code typed on the command line runs)"
+# The prefix each key takes (a pretrained model, a token folder): it wins over ``module:attr``.
+PREFIXES = {"model": "hf:", "dataset": "tokens:"}
+# Keys naming what a run writes: a file names them only inside the working directory.
+OUTPUT_PATH_KEYS = (
+    "save_model",
+    "save_hf",
+    "metrics_file",
+    "tensorboard",
+    "profile",
+    "memory_snapshot",
+    "ckpt_dir",
 )
+# A flag given without its value names a default made from these keys.
+_DEFAULT_MADE_FROM = {"save_model": ("model",), "tensorboard": ("ckpt_dir", "model")}
 
 
-def is_reference(name: str) -> bool:
-    """``module:attr`` or ``file.py:attr`` (a built-in model name has no colon)."""
-    return ":" in name and not name.startswith(PREFIXES)
+def is_reference(key: str, name: str) -> bool:
+    """``name``, as ``key``'s value, names code: ``module:attr`` or ``file.py:attr`` (a built-in
+    name has no colon; only ``model`` and ``dataset`` take a prefix, ``hf:`` and ``tokens:``)."""
+    prefix = PREFIXES.get(key)
+    return ":" in name and not (prefix and name.startswith(prefix))
 
 
-def check_consent(values: Mapping[str, Any], where: str, allow_code: bool) -> None:
+def check_consent(values: Mapping[str, Any], where: str) -> None:
     """Code a file names runs only with ``--allow-code``: else a UsageError naming the key and
     ``where`` (the file), before anything is imported."""
-    if allow_code:
-        return
     for key in CODE_KEYS:
         value = values.get(key)
-        if isinstance(value, str) and is_reference(value):
-            raise UsageError(
-                f"{where}: {key} {value!r} names code, which runs only with --allow-code "
-                "(give it only for a file you trust as a script you run)"
-            )
+        if isinstance(value, str):
+            check_reference_consent(key, value, f"{where}: {key}")
+
+
+def check_reference_consent(key: str, value: str, label: str) -> None:
+    """``value``, as ``key``'s, names code only with consent: else a UsageError, ``label`` first."""
+    if is_reference(key, value) and not consent.allows_code(key, value):
+        raise consent.code_refused(label, value)
+
+
+def check_output_paths(values: Mapping[str, Any], where: str, typed_as: str = "") -> None:
+    """Output paths a file names stay inside the working directory (or the command line says
+    otherwise): else a UsageError naming the key, ``where`` and the flag to type it with."""
+    for key in OUTPUT_PATH_KEYS:
+        value = values.get(key)
+        if isinstance(value, str):
+            flag = f"{typed_as}--{key.replace('_', '-')}"
+            consent.check_output_path(key, value, where, flag)
+
+
+def parse_size(text: str) -> int:
+    """``5GB`` (powers of 10, as Hugging Face reads them), ``512MiB``, or a number of bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", text, re.IGNORECASE)
+    if not match:
+        raise UsageError(f"not a size: {text!r} (examples: 5GB, 500MB, 2GiB, 1000000)")
+    number, unit, binary = match.groups()
+    power = "KMGT".find(unit.upper()) + 1 if unit else 0
+    size = int(float(number) * (1024 if binary else 1000) ** power)
+    if size <= 0:
+        raise UsageError(f"the size must be positive: {text!r}")
+    return size
 
 
 def _field_type(f: dataclasses.Field) -> type:
@@ -385,7 +432,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config", metavar="FILE.toml", help="TOML file of config keys (flags override it)"
     )
-    parser.add_argument("--allow-code", action="store_true", default=None, help=ALLOW_CODE_HELP)
+    parser.add_argument(
+        "--allow-code", action="store_true", default=None, help=consent.ALLOW_CODE_HELP
+    )
+    parser.add_argument(
+        "--allow-paths", action="store_true", default=None, help=consent.ALLOW_PATHS_HELP
+    )
     for name in RETIRED:  # accepted only to say why it is gone
         parser.add_argument("--" + name.replace("_", "-"), help=argparse.SUPPRESS)
     for name, f in _FIELDS.items():
@@ -447,11 +499,17 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     for name in RETIRED:
         if getattr(args, name, None) is not None:
             raise UsageError(f"--{name.replace('_', '-')} is no longer read: {RETIRED[name]}")
+    consent.register(
+        allow_code=getattr(args, "allow_code", None),
+        allow_paths=getattr(args, "allow_paths", None),
+        typed=[(key, getattr(args, key, None)) for key in (*CODE_KEYS, *OUTPUT_PATH_KEYS)],
+    )
     values: dict[str, Any] = {}
+    used: dict[str, Any] = {}
     if getattr(args, "config", None):
         from_file = load_toml(args.config)
         used = {k: v for k, v in from_file.items() if getattr(args, k, None) is None}
-        check_consent(used, f"config file {args.config}", bool(getattr(args, "allow_code", None)))
+        check_consent(used, f"config file {args.config}")
         values.update(from_file)
     for name in _FIELDS:
         value = getattr(args, name, None)
@@ -465,8 +523,24 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         cfg.profile = "profile"
     if cfg.tensorboard == _DEFAULT:
         cfg.tensorboard = default_tensorboard_dir(cfg)
+    if used:
+        check_output_paths(_paths_from_file(args, used, cfg), f"config file {args.config}")
     validate_basic(cfg)
     return cfg
+
+
+def _paths_from_file(
+    args: argparse.Namespace, used: Mapping[str, Any], cfg: TrainConfig
+) -> dict[str, Any]:
+    """The output paths a config file chose: its own keys' values, and the default names a flag
+    typed without its value made from the file's keys (``--save-model`` from its ``model``)."""
+    chosen = {}
+    for key in OUTPUT_PATH_KEYS:
+        made_of = _DEFAULT_MADE_FROM.get(key, ())
+        made_from_file = getattr(args, key, None) == _DEFAULT and any(k in used for k in made_of)
+        if key in used or made_from_file:
+            chosen[key] = getattr(cfg, key)
+    return chosen
 
 
 def default_tensorboard_dir(cfg: TrainConfig) -> str:
@@ -543,8 +617,14 @@ def validate_basic(cfg: TrainConfig) -> None:
         for name in ("lora_alpha", "lora_targets"):
             if getattr(cfg, name) is not None:
                 raise UsageError(f"--{name.replace('_', '-')} needs --lora-rank R")
-    if cfg.save_hf_every_steps and not cfg.save_hf:
-        raise UsageError("--save-hf-every-steps needs --save-hf DIR")
+    for name in ("save_hf_every_steps", "save_dtype", "max_shard_size"):
+        if getattr(cfg, name) and not cfg.save_hf:
+            raise UsageError(f"--{name.replace('_', '-')} needs --save-hf DIR")
+    if cfg.max_shard_size is not None:
+        try:
+            parse_size(cfg.max_shard_size)
+        except UsageError as e:
+            raise UsageError(f"--max-shard-size: {e}") from None
     if cfg.merge and (not cfg.save_hf or cfg.lora_rank is None):
         raise UsageError("--merge needs --lora-rank R and --save-hf DIR")
     if not cfg.ckpt_dir and cfg.ckpt_every_steps:

@@ -5,8 +5,8 @@ device type, mesh degrees, batch sizes, learning rate, sharding units and pipeli
 builds the model once on the meta device (no memory) to read them from. It does not look at the
 machine it runs on beyond whether CUDA is there (``device_type`` fixes even that), so it plans a
 cluster's run as well as this one. ``check_machine(plan)`` then checks what this machine must
-provide (a writable checkpoint folder, a compiler for ``--compile``, CUDA for
-``--memory-snapshot``); ``resolve_here`` does both. The launcher resolves before any worker
+provide (a writable checkpoint folder, a ``--save-hf`` folder it may write with room for the
+save, a compiler for ``--compile``, CUDA for ``--memory-snapshot``); ``resolve_here`` does both. The launcher resolves before any worker
 starts, so bad input is one message and exit code 2; each worker resolves its own plan once, and
 the trainer, the strategies and ``bench`` read it.
 """
@@ -90,7 +90,8 @@ def resolve(cfg: TrainConfig, world_size: int, device_type: str | None = None) -
     global_batch, micro_batch = batch_sizes(cfg, dims.dp)
 
     dataset = _dataset(cfg, spec)
-    if cfg.dataset != "auto" and not is_reference(cfg.dataset) and dataset not in spec.datasets:
+    your_dataset = is_reference("dataset", cfg.dataset)
+    if cfg.dataset != "auto" and not your_dataset and dataset not in spec.datasets:
         raise UsageError(
             f"dataset {dataset!r} does not fit model {spec.name!r}; it takes: {', '.join(spec.datasets)}"
         )
@@ -105,7 +106,7 @@ def resolve(cfg: TrainConfig, world_size: int, device_type: str | None = None) -
         _check_save_hf(cfg, model)
     if cfg.lora_rank is not None:  # adapters on the meta model: sharded with their layer
         cfg, spec, model = _with_lora(cfg, spec, model)
-    if is_reference(cfg.model) and not is_reference(cfg.dataset):  # yours: checked when loaded
+    if is_reference("model", cfg.model) and not your_dataset:  # checked when it is loaded
         classify = spec.task == "classify"
         classes = spec.num_classes if classify else cfg.vocab_size
         what = f"--num-classes {classes}" if classify else f"--vocab-size {classes}"
@@ -212,6 +213,10 @@ def check_machine(plan: RunPlan) -> None:
         from fsdp2lab.checkpoint.layout import check_writable
 
         check_writable(cfg.ckpt_dir)
+    if cfg.save_hf:  # every refusal of its folder, and the free space, before any worker starts
+        from fsdp2lab.checkpoint.hf_save import check_target
+
+        check_target(cfg, plan.meta_model, plan.spec.source)
 
 
 def resolve_here(cfg: TrainConfig, world_size: int) -> RunPlan:
@@ -263,7 +268,7 @@ def check_model_takes(
 
 def check_dataset(plan: RunPlan, train_set) -> None:
     """Your dataset (``--dataset file.py:NAME``), once loaded: does the model take its batches?"""
-    if is_reference(plan.cfg.dataset):
+    if is_reference("dataset", plan.cfg.dataset):
         x = train_set.__getitems__([0])[0].to("meta")
         classes = int(train_set.targets.max()) + 1
         check_model_takes(plan.meta_model, plan.spec.name, x, classes, f"the {classes} classes")
@@ -272,7 +277,7 @@ def check_dataset(plan: RunPlan, train_set) -> None:
 def _loss(cfg: TrainConfig, spec: ModelSpec) -> Callable | None:
     if not cfg.loss:
         return spec.loss
-    loss = load_object(cfg.loss, "--loss")
+    loss = load_object(cfg.loss, "--loss", "loss")
     if not callable(loss):
         raise UsageError(f"--loss {cfg.loss}: {type(loss).__name__} is not a function")
     return loss

@@ -20,7 +20,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from fsdp2lab import consent
 from fsdp2lab.bench.sweep import RunSpec, to_toml
+from fsdp2lab.config import CODE_KEYS, OUTPUT_PATH_KEYS
 from fsdp2lab.errors import UsageError
 from fsdp2lab.runtime.local_launcher import free_port
 
@@ -51,7 +53,11 @@ def command(
     copy: int = 0,
     profile: bool = False,
     allow_code: bool = False,
+    allow_paths: bool = False,
 ) -> list[str]:
+    """The run's ``fsdp2lab train`` command: its keys from its config file, and on its command
+    line the consent its user gave (``--allow-code``, ``--allow-paths``, and the code and paths
+    the user typed, so that they are the user's there too)."""
     ranks = run.world_size // run.copies
     train = [
         sys.executable,
@@ -60,10 +66,12 @@ def command(
         "train",
         "--config",
         str(folder / "config.toml"),
+        *consent.typed_flags(run.values, (*CODE_KEYS, *OUTPUT_PATH_KEYS)),
         "--metrics-file",
         str(folder / f"metrics{copy_suffix(copy)}.jsonl"),
         *(["--profile", str(folder / f"profile{copy_suffix(copy)}")] if profile else []),
         *(["--allow-code"] if allow_code else []),
+        *(["--allow-paths"] if allow_paths else []),
     ]
     if launcher == "srun":
         srun = ["srun", f"--ntasks={ranks}", "--kill-on-bad-exit=1"]
@@ -160,11 +168,13 @@ def run_sweep(
     threads_per_rank: int | None = None,
     profile: bool = False,
     allow_code: bool = False,
+    allow_paths: bool = False,
 ) -> list[dict]:
     """Run every planned run in turn; print one line each; return their statuses."""
     previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        job = (out, launcher, timeout_s, srun_args, resume, threads_per_rank, profile, allow_code)
+        job = (out, launcher, timeout_s, srun_args, resume, threads_per_rank, profile)
+        job += (allow_code, allow_paths)
         return _run_all(runs, job)
     finally:
         for s, handler in previous.items():
@@ -195,6 +205,7 @@ def _one_run(
     threads_per_rank,
     profile,
     allow_code,
+    allow_paths,
 ) -> dict:
     from fsdp2lab.bench.results import read_metrics, step_time
 
@@ -215,7 +226,7 @@ def _one_run(
     folder.mkdir(parents=True)
     (folder / "config.toml").write_text(to_toml(run.values), encoding="utf-8")
     cmds = [
-        command(run, folder, launcher, srun_args, copy, profile, allow_code)
+        command(run, folder, launcher, srun_args, copy, profile, allow_code, allow_paths)
         for copy in range(run.copies)
     ]
     (folder / "command.txt").write_text("".join(shlex.join(c) + "\n" for c in cmds))

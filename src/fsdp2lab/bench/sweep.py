@@ -38,8 +38,10 @@ Built-in strategies: single, ddp, fsdp1, fsdp2, hsdp (fsdp2 with ``dp_replicate 
 compute-only (``single`` side by side: on N ranks, N independent one-rank runs of 1/N of the
 global batch each at the same time, no communication: the ceiling data parallelism aims at).
 Combinations that cannot run (single on 2 ranks, hsdp on 1) are left out and listed. A file that
-names code (``loss = "file.py:fn"``, a ``[models.X]`` ``model = "file.py:build"``) is refused
-unless ``fsdp2lab bench --allow-code``.
+names code (``loss = "file.py:fn"``, a ``[models.X]`` ``model = "file.py:build"``, a model on the
+``models`` axis whose name is code) is refused unless ``fsdp2lab bench --allow-code``; one that
+names an output path outside the working directory (``profile = "../x"``), unless
+``--allow-paths``.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ from fsdp2lab.config import (
     PRECISIONS,
     TrainConfig,
     check_consent,
+    check_output_paths,
+    check_reference_consent,
     is_reference,
     load_toml,
     read_toml_file,
@@ -165,9 +169,10 @@ def to_toml(values: dict[str, Any]) -> str:
         raise UsageError(str(e)) from None
 
 
-def load_sweep(path: str | None, allow_code: bool = False) -> Sweep:
+def load_sweep(path: str | None) -> Sweep:
     """Read a sweep file (or the defaults when ``path`` is None); any mistake is a UsageError.
-    Code it names (``loss = "file.py:fn"``) is refused unless ``allow_code`` (``--allow-code``)."""
+    Code it names (``loss = "file.py:fn"``) is refused unless the command line allows it
+    (:mod:`fsdp2lab.consent`), and so are output paths outside the working directory."""
     sweep = Sweep()
     if path is None:
         return sweep
@@ -178,7 +183,7 @@ def load_sweep(path: str | None, allow_code: bool = False) -> Sweep:
             raise UsageError(
                 f"sweep file {path}: unknown table [{key}] (known: {', '.join(sorted(known))})"
             )
-    _check_consent(data, path, allow_code)
+    _check_consent(data, path)
     axes = data.get("sweep", {})
     for key, value in axes.items():
         if key == "repeat":
@@ -216,15 +221,28 @@ def load_sweep(path: str | None, allow_code: bool = False) -> Sweep:
     return sweep
 
 
-def _check_consent(data: dict[str, Any], path: str, allow_code: bool) -> None:
-    """Before anything is imported: code the file names needs ``allow_code``."""
+def _check_consent(data: dict[str, Any], path: str) -> None:
+    """Before anything is imported: code the file names needs consent, be it a table's key or a
+    model the ``models`` axis names (a [models.X] table without ``model`` is the model X); an
+    output path outside the working directory too."""
+    models = data.get("models") if isinstance(data.get("models"), dict) else {}
+    axis = data.get("sweep", {}).get("models") if isinstance(data.get("sweep"), dict) else None
+    for name in axis if isinstance(axis, list) else []:
+        table = models.get(name)
+        if isinstance(name, str) and not (isinstance(table, dict) and "model" in table):
+            check_reference_consent("model", name, f"{_where(path, 'sweep')} models")
     tables = {"train": data.get("train")}
     for section in ("models", "variants"):
         if isinstance(data.get(section), dict):
             tables.update({f"{section}.{n}": v for n, v in data[section].items()})
     for name, values in tables.items():
-        if isinstance(values, dict):
-            check_consent(values, _where(path, name), allow_code)
+        if not isinstance(values, dict):
+            continue
+        if name.startswith("models.") and "model" not in values:  # the table's name is its model
+            model = name.removeprefix("models.")
+            check_reference_consent("model", model, f"{_where(path, name)} name")
+        check_consent(values, _where(path, name))
+        check_output_paths(values, _where(path, name), typed_as="bench ... -- ")
 
 
 def _model_axes(values: dict[str, Any], where: str) -> dict[str, Any]:
@@ -270,7 +288,7 @@ def validate(sweep: Sweep) -> None:
             )
     for name, axes in sweep.model_axes.items():
         base = axes.get("model", name)
-        if base not in MODELS and not is_reference(base):
+        if base not in MODELS and not is_reference("model", base):
             raise UsageError(
                 f"bench: [models.{name}] is no model: set model = one of {', '.join(MODELS)}"
             )
@@ -295,13 +313,16 @@ def _check_references(sweep: Sweep) -> None:
 
     tables = {"[train]": sweep.train}
     tables.update(
-        {f"[models.{n}]": {**v, **sweep.model_axes.get(n, {})} for n, v in sweep.model_keys.items()}
+        {
+            f"[models.{n}]": {**v, "model": sweep.model_axes.get(n, {}).get("model", n)}
+            for n, v in sweep.model_keys.items()
+        }
     )
     tables.update({f"[variants.{n}]": v for n, v in sweep.variants.items()})
     for table, values in tables.items():
         for key in CODE_KEYS:
-            if isinstance(values.get(key), str) and is_reference(values[key]):
-                load_object(values[key], f"bench: {table} {key}")
+            if isinstance(values.get(key), str) and is_reference(key, values[key]):
+                load_object(values[key], f"bench: {table} {key}", key)
 
 
 def plan(sweep: Sweep) -> tuple[list[RunSpec], list[str]]:

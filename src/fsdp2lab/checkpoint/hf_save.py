@@ -4,19 +4,24 @@ Every rank hands its own shards of the model's tensors to DCP's ``HuggingFaceSto
 in files of groups of tensors no bigger together than the largest one (each rank serialises its
 part of one group at a time); rank 0 then joins them into whole-tensor files, one tensor at a
 time, in the ``save_pretrained`` layout (``model.safetensors``, or
-``model-0000K-of-0000N.safetensors`` and their index above ``max_shard_size``). Beside them: ``config.json`` (tied weights are stored once:
+``model-0000K-of-0000N.safetensors`` and their index above ``max_shard_size``), floating tensors
+in the dtype ``--save-dtype`` names, else the source model's (its config's ``dtype``, which
+``config.json`` then names; a PEFT adapter folder's adapters: as trained), each file with the
+metadata ``{"format": "pt"}``. Beside them: ``config.json`` (tied weights are stored once:
 ``from_pretrained`` ties them again) and the tokenizer's files and ``generation_config.json`` the
 run read, each only while its sha256 is the one recorded at the start of the run (a file that
 changed is left out, with a warning). A LoRA run's folder is its PEFT adapter folder instead
 (``adapter_config.json``, ``adapter_model.safetensors``: what ``ckpt export`` writes), or with
 ``--merge`` the model with the adapters merged in (:func:`merged_state`). The folder
-is written whole under a temporary name and renamed into place; the folders the run read and a
-folder holding anything but an export's files are refused.
+is written whole under a temporary name and renamed into place (:mod:`fsdp2lab.checkpoint.targets`:
+leftovers of dead saves beside it are tidied first); the folders the run read and a folder
+fsdp2lab did not write are refused.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import shutil
 import threading
@@ -29,7 +34,8 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from fsdp2lab.checkpoint import layout
+from fsdp2lab.checkpoint import layout, targets
+from fsdp2lab.checkpoint import state as ckpt_state
 from fsdp2lab.checkpoint.safetensors_export import (
     ADAPTER_FILES,
     CONFIG_FILE,
@@ -38,18 +44,56 @@ from fsdp2lab.checkpoint.safetensors_export import (
     SHARDS,
     Entry,
     _hf_model_info,
-    _put_in_place,
     check_out_folder,
     companion_sources,
+    join_shards,
     pieces,
     plan_shards,
+    prepare_out,
+    save_dtype,
+    saved_as,
     single_file,
 )
+from fsdp2lab.config import TrainConfig
+from fsdp2lab.data import tokens
 from fsdp2lab.runtime import faults, logs
 from fsdp2lab.runtime.distributed import on_rank0
-from fsdp2lab.runtime.torch_compat import hf_consolidate
 
 log = logs.get_logger(__name__)
+
+
+def run_info(cfg: TrainConfig, model: nn.Module, source: str | None) -> dict:
+    """What a save reads of the run (``save_hf``'s ``run``): the Hugging Face config of its
+    ``model``, the model folder ``source`` it started from, the companion files' hashes as the run
+    reads them (a file changed later is not copied), and its flags (a LoRA run's: its adapters'
+    config)."""
+    return {
+        "hf_config": ckpt_state.hf_config_of(model),
+        "hf_source": source,
+        "companions": ckpt_state.companion_files(source, cfg.tokenizer),
+        "config": dataclasses.asdict(cfg),
+    }
+
+
+def check_target(cfg: TrainConfig, model: nn.Module, source: str | None) -> None:
+    """A UsageError when ``--save-hf`` may not write its folder: the model, tokenizer, token or
+    checkpoint folder the run reads, a folder fsdp2lab did not write, a file, an unwritable
+    parent, or too little free space for ``model``'s parameters (in the dtype the save writes,
+    each rank's shards and then the joined files). Leftovers of dead saves beside it are tidied
+    first."""
+    mine = {}
+    if cfg.ckpt_dir:
+        mine[Path(cfg.ckpt_dir).resolve()] = "the checkpoint folder (--ckpt-dir)"
+    if tokens.is_tokens(cfg.dataset):
+        token_dir = Path(cfg.dataset.removeprefix(tokens.PREFIX)).resolve()
+        mine[token_dir] = "the token folder the run reads"
+    adapters_only = cfg.lora_rank is not None and not cfg.merge
+    saved = [p for p in model.parameters() if p.requires_grad or not adapters_only]
+    run = run_info(cfg, model, source)
+    written_as = save_dtype(cfg.save_dtype, None if adapters_only else run["hf_config"])
+    entries = [Entry(str(i), str(i), tuple(p.shape), p.dtype) for i, p in enumerate(saved)]
+    nbytes = sum(e.nbytes for e in saved_as(entries, written_as))
+    prepare_out(Path(cfg.save_hf), run, mine, nbytes, "--save-hf")
 
 
 def _entries(state: dict[str, torch.Tensor], group) -> list[Entry]:
@@ -74,6 +118,7 @@ def save_hf(
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     asynchronous: bool = False,
     step: int = 0,
+    dtype: str | None = None,
 ) -> list[Path] | Future:
     """Write ``model`` (parallelised, on every rank: a collective over ``group``) as a
     ``from_pretrained`` folder ``out``. ``run``: the run's ``hf_config``, ``hf_source`` and
@@ -81,7 +126,8 @@ def save_hf(
     Returns the files written (rank 0's list; the others': empty). ``asynchronous``: through
     ``dcp.async_save``: the shards are copied to memory, then written, joined and renamed into
     place by background threads; returns a Future of the files. ``step``: for the fault drills
-    (:func:`fsdp2lab.runtime.faults.hf_writer`)."""
+    (:func:`fsdp2lab.runtime.faults.hf_writer`). ``dtype``: ``--save-dtype`` (fp32, bf16, fp16;
+    None: :func:`~fsdp2lab.checkpoint.safetensors_export.save_dtype`'s default)."""
     out = Path(out)
     state = get_model_state_dict(model, options=StateDictOptions())  # each rank's shards
     flags = run.get("config") or {}
@@ -92,6 +138,7 @@ def save_hf(
         config, names = _peft_names(run)
         state = {names[k]: v for k, v in state.items() if k in names}
     entries = _entries(state, group)
+    entries = saved_as(entries, save_dtype(dtype, None if adapter else run.get("hf_config")))
     tied: dict[str, str] = {}
     if not adapter:
         config, tied = _hf_model_info(run["hf_config"], entries)
@@ -100,17 +147,18 @@ def save_hf(
     fqn_to_index = {e.name: i for i, shard in enumerate(shards, 1) for e in shard}
     # Each rank serialises its part of one piece at a time.
     index_of = {e.name: i for i, part in enumerate(pieces(kept), 1) for e in part}
-    own = {name: t for name, t in state.items() if name in fqn_to_index}
+    # Each rank's shards in the dtype written (a copy only where it differs).
+    dtypes = {e.name: e.out_dtype for e in kept}
+    own = {name: t.to(dtypes[name]) for name, t in state.items() if name in fqn_to_index}
 
     def begin() -> Path | str:
+        targets.tidy(out.absolute().parent)
         check_out_folder(out, run, {})
-        tmp = layout.temporary_name(out)
         try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            return targets.new_folder(out)
         except OSError as e:
-            return f"{e.strerror or e}: {tmp}"
-        return tmp
+            return f"{e.strerror or e}: {e.filename or out}"
 
     tmp = on_rank0(begin)
     if isinstance(tmp, str):
@@ -216,7 +264,7 @@ def _finish(
     single-file name, ``config.json``, the companion files, then the rename into place. The
     files, or why it failed."""
     try:
-        hf_consolidate(str(tmp / SHARDS), str(tmp), fqn_to_index)
+        join_shards(tmp / SHARDS, tmp, fqn_to_index)
         if adapter:
             return _complete_adapter(tmp, out, config)
         return _complete(tmp, out, config, run)
@@ -239,8 +287,13 @@ def _complete(tmp: Path, out: Path, config, run: dict) -> list[Path]:
 
     for source, name in companion_sources(run, changed):
         shutil.copyfile(source, tmp / name)
-    names = sorted(p.name for p in tmp.iterdir())
-    _put_in_place(tmp, out)
+    return _in_place(tmp, out)
+
+
+def _in_place(tmp: Path, out: Path) -> list[Path]:
+    """Put the finished folder ``tmp`` in place as ``out``; its files (not the mark)."""
+    names = sorted(p.name for p in tmp.iterdir() if p.name != targets.MARK)
+    targets.put_in_place(tmp, out)
     return [out / name for name in names]
 
 
@@ -270,6 +323,4 @@ def _complete_adapter(tmp: Path, out: Path, config) -> list[Path]:
     (tmp / INDEX_FILE).unlink()
     os.replace(tmp / "model-00001-of-00001.safetensors", tmp / ADAPTER_FILES[1])
     config.save_pretrained(str(tmp))
-    names = sorted(p.name for p in tmp.iterdir())
-    _put_in_place(tmp, out)
-    return [out / name for name in names]
+    return _in_place(tmp, out)

@@ -5,13 +5,16 @@ A step folder holds DCP's files (``.metadata`` and one ``__R_0.distcp`` per rank
 once every rank has written, a ``COMPLETE`` mark: JSON with what was saved and the size of every
 file. Only a ``COMPLETE`` folder counts as a checkpoint. A run holds ``DIR/.lock`` (``flock``)
 while it uses the folder. A checkpoint is read as data: ``.metadata`` through a restricted
-unpickler, nothing in it is run. Everything here is plain file handling: no process group.
+unpickler, nothing in it is run, and what it claims is checked before anything is read or
+allocated (its files are in the folder, each tensor fits in the bytes it is stored in).
+Everything here is plain file handling: no process group.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import pickle
 import re
@@ -85,16 +88,16 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def mark_own(path: Path) -> None:
-    """Create step folder ``path`` (if needed) and mark it as a save of this tool, before any of
-    the save's files are written."""
+def mark_own(path: Path, mark: str = OWN_SAVE) -> None:
+    """Create folder ``path`` (if needed) and mark it as a save of this tool (``mark``: a step
+    folder's, or an export's), before any of the save's files are written."""
     path.mkdir(parents=True, exist_ok=True)
     text = json.dumps({"host": os.uname().nodename, "pid": os.getpid()}) + "\n"
-    _write_atomic(path / OWN_SAVE, text)
+    _write_atomic(path / mark, text)
 
 
-def is_own(path: Path) -> bool:
-    return (path / OWN_SAVE).is_file()
+def is_own(path: Path, mark: str = OWN_SAVE) -> bool:
+    return (path / mark).is_file()
 
 
 def mark_complete(path: Path, info: dict) -> dict:
@@ -227,15 +230,75 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
             "be read"
         )
     for name, size in files.items():
+        if not _is_plain_name(str(name)):
+            raise UsageError(
+                f"checkpoint {path}: its {COMPLETE} mark names a file {name!r} elsewhere"
+            )
         _check_file(path, name, size)
     metadata = read_metadata(path)
-    # Every byte range the index points to must lie inside its file.
-    ends: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-    for name, end in ends.items():
-        _check_file(path, name, None, at_least=end)
+    try:
+        _check_index(path, metadata)
+    except (AttributeError, TypeError, ValueError) as e:  # fields of the wrong type
+        raise UsageError(
+            f"checkpoint {path}: {METADATA} is damaged ({type(e).__name__}: {e})"
+        ) from None
     return Checkpoint(path, marker, metadata)
+
+
+def _check_index(folder: Path, metadata: Metadata) -> None:
+    """DCP's index, checked before anything is read or allocated: each storage entry a file name
+    of the step folder (no path), untransformed (fsdp2lab compresses nothing), its byte range
+    inside that file; each tensor no bigger than the bytes its chunks are stored in."""
+    import torch
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    ends: dict[str, int] = {}
+    stored: dict[MetadataIndex, tuple[str, int]] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        name, offset, length = info.relative_path, int(info.offset), int(info.length)
+        if not isinstance(name, str) or not _is_plain_name(name):
+            raise UsageError(
+                f"checkpoint {folder}: {METADATA} names the shard file {name!r}, which is not a "
+                "file name in the checkpoint's folder: refused, nothing is read outside it"
+            )
+        if getattr(info, "transform_descriptors", None):
+            raise UsageError(
+                f"checkpoint {folder}: {METADATA} stores {index.fqn} transformed "
+                f"({', '.join(map(str, info.transform_descriptors))}), which fsdp2lab does not read"
+            )
+        if offset < 0 or length < 0:
+            raise UsageError(f"checkpoint {folder}: {METADATA} gives {index.fqn} a negative range")
+        ends[name] = max(ends.get(name, 0), offset + length)
+        stored[index] = (name, length)
+    for name, end in ends.items():  # every byte range inside its file
+        _check_file(folder, name, None, at_least=end)
+    file_sizes = {name: (folder / name).stat().st_size for name in ends}
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            continue
+        shape, dtype = tuple(entry.size), entry.properties.dtype
+        if not isinstance(dtype, torch.dtype) or not all(
+            isinstance(d, int) and d >= 0 for d in shape
+        ):
+            raise UsageError(f"checkpoint {folder}: {METADATA} gives {key} as {shape} {dtype}")
+        nbytes = math.prod(shape) * dtype.itemsize
+        chunks = {MetadataIndex(key, chunk.offsets) for chunk in entry.chunks}
+        places = [stored[chunk] for chunk in chunks if chunk in stored]
+        held = min(
+            sum(length for _, length in places),
+            sum(file_sizes[name] for name in {name for name, _ in places}),
+        )
+        if nbytes > held:
+            raise UsageError(
+                f"checkpoint {folder}: {METADATA} gives {key} as {list(shape)} "
+                f"{str(dtype).removeprefix('torch.')} ({nbytes:,} bytes), but its chunks are "
+                f"stored in {held:,} bytes: a damaged or altered checkpoint, not read"
+            )
+
+
+def _is_plain_name(name: str) -> bool:
+    """A file name with no folder in it: not empty, ``.`` or ``..``, no separator."""
+    return name not in ("", ".", "..") and "/" not in name and "\\" not in name and "\0" not in name
 
 
 def read_metadata(path: Path) -> Metadata:

@@ -12,7 +12,10 @@ one PEFT gives it:
   ``save_pretrained`` writes it (config, shards, the recorded tokenizer files): each adapted
   module's weights, read from the base folder in their own dtype, merged by PEFT's own
   ``LoraLayer.merge`` (what ``merge_and_unload`` runs), one module at a time; every other tensor
-  copied from the base folder as it is.
+  copied from the base folder; floating tensors written in the source model's dtype (its config's),
+  or ``--save-dtype``'s.
+
+The adapters are written as trained (PEFT keeps them so), or in ``--save-dtype``'s dtype.
 
 Nothing is unpickled: the checkpoint is read through the restricted DCP reader, the base folder
 through ``safetensors``. Each folder is written under a temporary name and renamed into place.
@@ -30,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from fsdp2lab.checkpoint import layout
+from fsdp2lab.checkpoint import layout, targets
 from fsdp2lab.checkpoint.safetensors_export import (
     _DTYPES,
     DEFAULT_MAX_SHARD_SIZE,
@@ -38,11 +41,12 @@ from fsdp2lab.checkpoint.safetensors_export import (
     Exported,
     _check_out_folder,
     _hf_model_info,
-    _put_in_place,
     _Reader,
     load_tensor,
     meta_hf_model,
     model_entries,
+    save_dtype,
+    saved_as,
     write_export_folder,
 )
 from fsdp2lab.checkpoint.state import LORA_BASE, lora_base, saved_run
@@ -105,34 +109,34 @@ def _adapter_entries(ckpt: layout.Checkpoint, model: nn.Module) -> dict[str, Ent
     return have
 
 
-def export_adapter(source: str, out: str) -> Exported:
-    """Write the adapters of LoRA checkpoint ``source`` as a PEFT adapter folder ``out``."""
+def export_adapter(source: str, out: str, dtype: str | None = None) -> Exported:
+    """Write the adapters of LoRA checkpoint ``source`` as a PEFT adapter folder ``out``, in
+    ``dtype`` (fp32, bf16, fp16; None: as trained)."""
     ckpt = layout.find_checkpoint(source, [])
     run = saved_run(ckpt)
     _, model = peft_model(run)
     base = model.get_base_model()
-    entries = _adapter_entries(ckpt, base)
+    found = _adapter_entries(ckpt, base)
+    entries = dict(zip(found, saved_as(list(found.values()), save_dtype(dtype, None)), strict=True))
     out_path = Path(out)
-    if out_path.exists() and not out_path.is_dir():
-        raise UsageError(f"{out} exists and is not a folder")
-    _check_out_folder(out_path, ckpt, run)
+    _check_out_folder(out_path, ckpt, run, sum(e.nbytes for e in entries.values()))
     # PEFT's names of the training model's parameters (``base_model.model.`` + the name).
     peft_names = {id(p): n for n, p in model.named_parameters()}
     reader = _Reader(ckpt.path)
     state = {
-        peft_names[id(base.get_parameter(name))]: load_tensor(reader, entry)
+        peft_names[id(base.get_parameter(name))]: load_tensor(reader, entry).to(entry.out_dtype)
         for name, entry in entries.items()
     }
-    tmp = layout.temporary_name(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = targets.new_folder(out_path)
     try:
         model.save_pretrained(str(tmp), state_dict=state, save_embedding_layers=False)
         (tmp / "README.md").unlink(missing_ok=True)  # PEFT's model card template
-        _put_in_place(tmp, out_path)
+        targets.put_in_place(tmp, out_path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    files = sorted(out_path.iterdir())
+    files = sorted(p for p in out_path.iterdir() if p.name != targets.MARK)
     total = sum(e.nbytes for e in entries.values())
     return Exported(ckpt, files, len(entries), total)
 
@@ -154,9 +158,12 @@ def base_folder(run: dict) -> Path:
     return Path(source)
 
 
-def export_merged(source: str, out: str, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> Exported:
+def export_merged(
+    source: str, out: str, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, dtype: str | None = None
+) -> Exported:
     """Write the base folder of LoRA checkpoint ``source``'s run with the adapters merged in, as
-    a ``save_pretrained`` folder ``out`` in the base's dtypes."""
+    a ``save_pretrained`` folder ``out``, floating tensors in ``dtype`` (fp32, bf16, fp16), else
+    in the source model's (:func:`save_dtype`)."""
     from fsdp2lab.models.hf_weights import WeightIndex
     from fsdp2lab.models.lora import base_key, is_adapter, lora_layers
 
@@ -177,6 +184,7 @@ def export_merged(source: str, out: str, max_shard_size: int = DEFAULT_MAX_SHARD
         for key in index.files
         if index.dtypes[key] in _FROM_SAFETENSORS
     ]
+    entries = saved_as(entries, save_dtype(dtype, run["hf_config"]))
     config, tied = _hf_model_info(run["hf_config"], entries)
     # Each adapted module's base tensors by their name in the files.
     adapted: dict[str, tuple[str, nn.Module]] = {}

@@ -21,18 +21,25 @@ Two layouts:
   ``transformers`` (the ``hf`` extra): it builds the model on the meta device to learn which
   weights are tied and checks the names.
 
-A file or folder is written whole under a temporary name and renamed into place (an earlier
-export there is replaced; a folder holding anything else is refused, as are the checkpoint's
-folders and the model folder the run started from).
+Floating tensors are written in the dtype :func:`save_dtype` picks (``--save-dtype``, else the
+source model's as its Hugging Face config names it, else as trained), each file with the metadata
+``{"format": "pt"}`` as ``save_pretrained`` writes it.
+
+A file or folder is written whole under a temporary name and renamed into place
+(:mod:`fsdp2lab.checkpoint.targets`): an earlier export there is replaced; a folder without
+fsdp2lab's mark is refused, as are the checkpoint's folders and the model folder the run started
+from, and a save that would not fit in the free space.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import re
 import shutil
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,11 +49,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from fsdp2lab.checkpoint import layout
+from fsdp2lab.checkpoint import layout, targets
 from fsdp2lab.checkpoint.export import _one_process
 from fsdp2lab.checkpoint.state import GENERATION_FILE, MODEL, TOKENIZER_EXTRAS, saved_run
 from fsdp2lab.data.tokens import TOKENIZER_FILES
 from fsdp2lab.errors import UsageError
+from fsdp2lab.parallel.precision import DTYPES
 from fsdp2lab.runtime.torch_compat import (
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -90,19 +98,49 @@ for _name, _code in (
 
 @dataclass(frozen=True)
 class Entry:
-    """One model tensor: its name in the output, its key in the checkpoint, shape and dtype."""
+    """One model tensor: its name in the output, its key in the checkpoint, shape, dtype as read,
+    and the dtype it is written in (None: as read)."""
 
     name: str
     key: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    saved_as: torch.dtype | None = None
+
+    @property
+    def out_dtype(self) -> torch.dtype:
+        return self.saved_as or self.dtype
 
     @property
     def nbytes(self) -> int:
+        """Bytes written."""
         numel = 1
         for dim in self.shape:
             numel *= dim
-        return numel * self.dtype.itemsize
+        return numel * self.out_dtype.itemsize
+
+
+# A Hugging Face config's dtype names (``dtype``, ``torch_dtype``) of the dtypes a save writes.
+_NAMED_DTYPES = {str(d).removeprefix("torch."): d for d in DTYPES.values()}
+
+
+def save_dtype(choice: str | None, hf_config: dict | None) -> torch.dtype | None:
+    """The dtype a save writes floating tensors in: ``choice`` (``--save-dtype``: fp32, bf16,
+    fp16), else the one the source model's Hugging Face config names (``dtype``, ``torch_dtype``:
+    what ``save_pretrained`` keeps), else None: as trained (the fp32 master weights)."""
+    if choice is not None:
+        return DTYPES[choice]
+    config = hf_config or {}
+    return _NAMED_DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")))
+
+
+def saved_as(entries: list[Entry], dtype: torch.dtype | None) -> list[Entry]:
+    """``entries`` with their floating ones written in ``dtype`` (None: as read)."""
+    if dtype is None:
+        return entries
+    return [
+        dataclasses.replace(e, saved_as=dtype) if e.dtype.is_floating_point else e for e in entries
+    ]
 
 
 @dataclass
@@ -134,12 +172,13 @@ def model_entries(ckpt: layout.Checkpoint) -> list[Entry]:
 
 # ---------------------------------------------------------------------------- writing
 def _checked(entry: Entry, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, read for ``entry``, in the dtype it is written in."""
     if tuple(tensor.shape) != entry.shape or tensor.dtype != entry.dtype:
         raise UsageError(
             f"{entry.name}: read {tuple(tensor.shape)} {tensor.dtype}, "
             f"expected {entry.shape} {entry.dtype}"
         )
-    return tensor
+    return tensor.to(entry.out_dtype)
 
 
 def _dcp_write(state: dict[str, torch.Tensor], writer) -> None:
@@ -158,10 +197,10 @@ def write_weights(
 ) -> list[Path]:
     """``shards`` (each tensor read by ``load`` in turn) into the folder ``out`` as
     ``model-0000K-of-0000N.safetensors`` and ``model.safetensors.index.json``, through DCP's
-    Hugging Face storage. Returns the files."""
+    Hugging Face storage, each tensor in its ``out_dtype``. Returns the files."""
     entries = [e for shard in shards for e in shard]
     fqn_to_index = {e.name: k for k, shard in enumerate(shards, 1) for e in shard}
-    missing = hf_consolidation_missing({e.dtype for e in entries})
+    missing = hf_consolidation_missing({e.out_dtype for e in entries})
     if missing is None:  # at most the largest tensor's bytes at a time
         parts = pieces(entries)
         index_of = {e.name: i for i, part in enumerate(parts, 1) for e in part}
@@ -169,7 +208,7 @@ def write_weights(
             state = {e.name: _checked(e, load(e)) for e in part}
             _dcp_write(state, hf_shard_writer(str(out / SHARDS), index_of))
             del state
-        hf_consolidate(str(out / SHARDS), str(out), fqn_to_index)
+        join_shards(out / SHARDS, out, fqn_to_index)
         shutil.rmtree(out / SHARDS)
     else:  # one output file at a time
         from torch.distributed.checkpoint import HuggingFaceStorageWriter
@@ -189,7 +228,37 @@ def write_weights(
             "weight_map": {n: names[k] for n, k in sorted(fqn_to_index.items())},
         }
         layout._write_atomic(out / INDEX_FILE, json.dumps(index, indent=2) + "\n")
-    return sorted(out.glob("model-*-of-*.safetensors")) + [out / INDEX_FILE]
+    files = sorted(out.glob("model-*-of-*.safetensors"))
+    for file in files:
+        pt_format(file)
+    return files + [out / INDEX_FILE]
+
+
+def join_shards(shards: Path, out: Path, fqn_to_index: dict[str, int]) -> None:
+    """Join the writer's files in ``shards`` into whole tensors in ``out`` (torch's consolidation:
+    :func:`hf_consolidate`), each file marked :func:`pt_format`."""
+    hf_consolidate(str(shards), str(out), fqn_to_index)
+    for file in sorted(out.glob("model-*-of-*.safetensors")):
+        pt_format(file)
+
+
+def pt_format(file: Path) -> None:
+    """Give safetensors ``file`` the metadata ``{"format": "pt"}`` (what ``save_pretrained``
+    writes and older transformers require; torch's consolidation writes none): its header
+    rewritten, the tensors' bytes copied after it. A file that has it is left as it is."""
+    with open(file, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+        metadata = header.pop("__metadata__", None) or {}
+        if metadata.get("format") == "pt":
+            return
+        text = json.dumps({"__metadata__": {**metadata, "format": "pt"}, **header}).encode()
+        text += b" " * (-len(text) % 8)  # the tensors 8-byte aligned, as safetensors pads it
+        rewritten = file.with_name(file.name + ".tmp")
+        with open(rewritten, "wb") as g:
+            g.write(struct.pack("<Q", len(text)) + text)
+            shutil.copyfileobj(f, g, 16 << 20)
+    os.replace(rewritten, file)
 
 
 # ---------------------------------------------------------------------------- reading
@@ -233,32 +302,23 @@ def plan_shards(entries: list[Entry], max_shard_size: int) -> list[list[Entry]]:
     return shards
 
 
-def parse_size(text: str) -> int:
-    """``5GB`` (powers of 10, as Hugging Face reads them), ``512MiB``, or a number of bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", text, re.IGNORECASE)
-    if not match:
-        raise UsageError(f"not a size: {text!r} (examples: 5GB, 500MB, 2GiB, 1000000)")
-    number, unit, binary = match.groups()
-    power = "KMGT".find(unit.upper()) + 1 if unit else 0
-    size = int(float(number) * (1024 if binary else 1000) ** power)
-    if size <= 0:
-        raise UsageError(f"the size must be positive: {text!r}")
-    return size
-
-
 def meta_hf_model(model_type: str, settings: dict) -> tuple[object, torch.nn.Module]:
     """The transformers config of ``model_type`` with ``settings``, and its causal LM built on the
-    meta device (``architectures`` filled in). A UsageError when transformers cannot build it."""
+    meta device (``architectures`` filled in). A UsageError when the settings ask for code or a
+    hub kernel, or transformers cannot build it."""
     try:
         import transformers
     except ImportError:
         raise UsageError(
             f"exporting with a Hugging Face config needs transformers: {HF_HINT}"
         ) from None
-    try:
+    from fsdp2lab.models.hf import check_settings
+
+    check_settings(settings, "no Hugging Face causal LM from this config", "the config")
+    try:  # for_model takes no trust_remote_code (it would become a setting): checked above
         config = transformers.AutoConfig.for_model(model_type, **settings)
         with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config)
+            model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     except Exception as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UsageError(f"no Hugging Face causal LM from this config: {first}") from None
@@ -274,12 +334,12 @@ def _hf_model_info(hf_config: dict, entries: list[Entry]) -> tuple[object, dict[
     model_type = settings.pop("model_type", None)
     if not model_type:
         raise UsageError("the Hugging Face config has no model_type")
-    # The file's dtype, so that from_pretrained (dtype "auto") keeps the weights as saved.
-    floats = [e.dtype for e in entries if e.dtype.is_floating_point]
+    # The files' dtype, so that from_pretrained (dtype "auto") keeps the weights as saved.
+    floats = [e.out_dtype for e in entries if e.out_dtype.is_floating_point]
     settings.pop("dtype", None)
     settings.pop("torch_dtype", None)
     if floats:
-        widest = max(set(floats), key=lambda d: sum(e.nbytes for e in entries if e.dtype == d))
+        widest = max(set(floats), key=lambda d: sum(e.nbytes for e in entries if e.out_dtype == d))
         settings["torch_dtype"] = str(widest).removeprefix("torch.")
     config, model = meta_hf_model(model_type, settings)
     owner: dict[int, str] = {}
@@ -314,22 +374,33 @@ def _hf_model_info(hf_config: dict, entries: list[Entry]) -> tuple[object, dict[
 def _export_file(name: str) -> bool:
     """A file name a folder export writes."""
     companions = (CONFIG_FILE, GENERATION_FILE, *TOKENIZER_FILES, *TOKENIZER_EXTRAS)
-    mine = (SINGLE_FILE, INDEX_FILE, *ADAPTER_FILES, *companions)
+    mine = (SINGLE_FILE, INDEX_FILE, targets.MARK, *ADAPTER_FILES, *companions)
     return name in mine or bool(_SHARD_RE.fullmatch(name))
 
 
-def _check_out_folder(out: Path, ckpt: layout.Checkpoint, run: dict) -> None:
+def _check_out_folder(out: Path, ckpt: layout.Checkpoint, run: dict, nbytes: int) -> None:
     """A UsageError, before anything is written, when ``out`` is a folder the export must not
-    replace: the checkpoint's, the model or tokenizer folder the run read, or one holding other
-    files than an earlier export's."""
+    replace: the checkpoint's, the model or tokenizer folder the run read, or one fsdp2lab did
+    not write; or when ``nbytes`` of tensors would not fit (leftovers of dead saves removed
+    first)."""
     if out.resolve() == ckpt.path.resolve().parent:
         raise UsageError(f"export to {out} refused: it is the checkpoint's folder; give a new one")
-    check_out_folder(out, run, {ckpt.path.resolve(): "the checkpoint"})
+    prepare_out(out, run, {ckpt.path.resolve(): "the checkpoint"}, nbytes, "export to")
+
+
+def prepare_out(out: Path, run: dict, mine: dict[Path, str], nbytes: int, what: str) -> None:
+    """Tidy ``out``'s parent (:func:`targets.tidy`), then refuse ``out`` as
+    :func:`check_out_folder` does, or when ``nbytes`` of tensors, written twice (the shards, then
+    the joined files), would not fit in the free space."""
+    targets.tidy(out.absolute().parent)
+    check_out_folder(out, run, mine)
+    targets.check_space(out, 2 * nbytes, what)
 
 
 def check_out_folder(out: Path, run: dict, mine: dict[Path, str]) -> None:
     """A UsageError when ``out`` is, or is inside, one of ``mine`` (folder: what it is) or a
-    folder the run read (its model, its tokenizer), or holds other files than an export's."""
+    folder the run read (its model, its tokenizer), is not a folder fsdp2lab wrote
+    (:func:`targets.check_folder`), or holds other files than an export's."""
     target = out.resolve()
     mine = dict(mine)
     for entry in (run.get("companions") or {}).values():
@@ -340,8 +411,7 @@ def check_out_folder(out: Path, run: dict, mine: dict[Path, str]) -> None:
     for folder, what in mine.items():
         if target == folder or folder in target.parents:
             raise UsageError(f"export to {out} refused: it is {what} ({folder}); give a new folder")
-    if target.exists() and not target.is_dir():
-        raise UsageError(f"{out} exists and is not a folder")
+    targets.check_folder(out)
     if target.is_dir():
         others = sorted(p.name for p in target.iterdir() if not _export_file(p.name))
         if others:
@@ -352,30 +422,26 @@ def check_out_folder(out: Path, run: dict, mine: dict[Path, str]) -> None:
             )
 
 
-def _put_in_place(tmp: Path, out: Path) -> None:
-    """Rename the finished folder ``tmp`` to ``out``; an earlier export there is replaced."""
-    if out.exists():
-        old = layout.temporary_name(out, "replaced")
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out)
-    layout._fsync_dir(out.parent)
-
-
 def export_safetensors(
     source: str | os.PathLike,
     out: str | os.PathLike,
     hf_config: dict | None = None,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    dtype: str | None = None,
 ) -> Exported:
     """Write the model of checkpoint ``source`` (a step folder or a checkpoint directory) as
     safetensors: ``out`` ending in ``.safetensors`` is one file; any other ``out`` is a folder
     in the ``save_pretrained`` layout (with ``config.json`` when there is a Hugging Face config:
-    ``hf_config``, else the one the checkpoint's run records under ``hf_config``)."""
+    ``hf_config``, else the one the checkpoint's run records under ``hf_config``). Floating
+    tensors in ``dtype`` (fp32, bf16, fp16), else in the one that config names
+    (:func:`save_dtype`; a LoRA run's adapters: as trained, as PEFT keeps them)."""
     ckpt = layout.find_checkpoint(source, [])
-    entries = model_entries(ckpt)
+    run = saved_run(ckpt)
+    recorded = hf_config is None
+    if recorded:  # a Hugging Face model's run records its config (checkpoint/state.py)
+        hf_config = run.get("hf_config")
+    adapters = bool((run.get("config") or {}).get("lora_rank"))
+    entries = saved_as(model_entries(ckpt), save_dtype(dtype, None if adapters else hf_config))
     reader = _Reader(ckpt.path)
     out = Path(out)
 
@@ -383,27 +449,24 @@ def export_safetensors(
         return load_tensor(reader, entry)
 
     if out.suffix == ".safetensors":
-        if hf_config is not None:  # given; the one the run recorded does not ask for a folder
+        if not recorded:  # given; the one the run recorded does not ask for a folder
             raise UsageError(
                 f"{out}: a Hugging Face export is a folder (config.json and safetensors); "
                 "give a folder name, not a .safetensors file"
             )
+        total = sum(e.nbytes for e in entries)
+        targets.tidy(out.absolute().parent)
+        targets.check_space(out, 2 * total, "export to")
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = layout.temporary_name(out)
-        tmp.mkdir()
+        tmp = targets.new_folder(out)
         try:
             write_weights(tmp, [entries], load)
             os.replace(tmp / "model-00001-of-00001.safetensors", out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        total = sum(e.nbytes for e in entries)
         return Exported(ckpt, [out], len(entries), total)
     if out.exists() and not out.is_dir():
         raise UsageError(f"{out} exists and is not a folder")
-    recorded = hf_config is None
-    if recorded:  # a Hugging Face model's run records its config (checkpoint/state.py)
-        hf_config = saved_run(ckpt).get("hf_config")
-
     try:
         config, tied = (None, {}) if hf_config is None else _hf_model_info(hf_config, entries)
     except UsageError as e:
@@ -430,18 +493,17 @@ def write_export_folder(
     ``config.json`` and, with a config, the run's recorded companion files; written under a
     temporary name and renamed into place. Returns (files, bytes of tensors)."""
     run = saved_run(ckpt)
-    _check_out_folder(out, ckpt, run)
+    _check_out_folder(out, ckpt, run, sum(e.nbytes for e in entries))
     companions = companion_sources(run) if config is not None else []
-    final, out = out, layout.temporary_name(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.mkdir()
+    final, out = out, targets.new_folder(out)
     try:
         shards = plan_shards(entries, max_shard_size)
         files, total = _write_folder(out, shards, load, config)
         for source, name in companions:
             shutil.copyfile(source, out / name)
             files.append(out / name)
-        _put_in_place(out, final)
+        targets.put_in_place(out, final)
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise

@@ -8,8 +8,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from fsdp2lab import consent
 from fsdp2lab.cli.common import guarded
-from fsdp2lab.config import ALLOW_CODE_HELP
 from fsdp2lab.errors import UsageError
 
 
@@ -67,7 +67,8 @@ def register(subparsers) -> None:
         "report adds where a step goes",
     )
     bench.add_argument("--resume", action="store_true", help="keep runs of RESULTS that succeeded")
-    bench.add_argument("--allow-code", action="store_true", help=ALLOW_CODE_HELP)
+    bench.add_argument("--allow-code", action="store_true", help=consent.ALLOW_CODE_HELP)
+    bench.add_argument("--allow-paths", action="store_true", help=consent.ALLOW_PATHS_HELP)
     bench.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
     bench.add_argument(
         "--no-report", action="store_true", help="do not write the report at the end"
@@ -122,19 +123,31 @@ def train_flag_values(train_args: list[str]) -> dict:
         raise UsageError(f"bench: unknown train flags after --: {' '.join(unknown)}")
     if namespace.config:
         raise UsageError("bench: put train keys in the sweep file's [train] table, not --config")
-    if namespace.allow_code:
-        raise UsageError("bench: --allow-code goes before --, as a bench flag")
-    values = {k: v for k, v in vars(namespace).items() if v is not None and k != "config"}
-    values.pop("allow_code", None)
+    for flag in ("allow_code", "allow_paths"):
+        if getattr(namespace, flag):
+            name = "--" + flag.replace("_", "-")
+            raise UsageError(f"bench: {name} goes before --, as a bench flag")
+    own = ("config", "allow_code", "allow_paths")
+    values = {k: v for k, v in vars(namespace).items() if v is not None and k not in own}
     return check_train_keys(values, "bench: train flags")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from fsdp2lab.bench import runner, sweep
     from fsdp2lab.bench.report import write_report
-    from fsdp2lab.config import CODE_KEYS, is_reference
+    from fsdp2lab.config import CODE_KEYS, OUTPUT_PATH_KEYS
 
-    spec = sweep.load_sweep(args.sweep, allow_code=args.allow_code)
+    typed = train_flag_values(args.train_args)
+    # What the user typed is theirs: the references and paths of its flags, and --models.
+    consent.register(
+        allow_code=args.allow_code,
+        allow_paths=args.allow_paths,
+        typed=[
+            *((k, v) for k, v in typed.items() if k in (*CODE_KEYS, *OUTPUT_PATH_KEYS)),
+            *(("model", name) for name in args.models or []),
+        ],
+    )
+    spec = sweep.load_sweep(args.sweep)
     spec = sweep.override(
         spec,
         strategies=args.strategies,
@@ -148,13 +161,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         value = spec.repeat if name == "repeat" else getattr(args, name)
         if value is not None and value <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be > 0, got {value}")
-    typed = train_flag_values(args.train_args)
     spec.train = {**spec.train, **typed}
-    # Each run reads its keys from a config file: it gets --allow-code where the user gave it, or
-    # typed the code after --.
-    allow_code = args.allow_code or any(
-        is_reference(v) for k, v in typed.items() if k in CODE_KEYS and isinstance(v, str)
-    )
     runs, skipped = sweep.plan(spec)
     launcher = runner.pick_launcher(args.launcher)
     out = Path(args.out)
@@ -180,7 +187,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             resume=args.resume,
             threads_per_rank=args.threads_per_rank,
             profile=args.profile,
-            allow_code=allow_code,
+            allow_code=args.allow_code,
+            allow_paths=args.allow_paths,
         )
     except runner.Interrupted as stop:
         print(f"fsdp2lab bench: stopped by {stop}; continue with --resume", file=sys.stderr)

@@ -7,6 +7,7 @@ import json
 import os
 
 from fsdp2lab.cli.common import guarded
+from fsdp2lab.config import PRECISIONS
 from fsdp2lab.errors import UsageError
 
 
@@ -23,7 +24,8 @@ def register(subparsers) -> None:
         "Safetensors are written one tensor at a time: the model is never held whole. A LoRA "
         "run's checkpoint (--lora-rank) to a folder: a PEFT adapter folder "
         "(adapter_config.json, adapter_model.safetensors), or with --merge the base model with "
-        "the adapters merged in.",
+        "the adapters merged in. Safetensors hold the source model's dtype (the one its Hugging "
+        'Face config names; --save-dtype chooses) and the metadata {"format": "pt"}.',
     )
     export.add_argument("ckpt", metavar="CKPT", help="DIR/step-N, or DIR for its newest")
     export.add_argument("out", metavar="OUT", help="OUT.pt, OUT.safetensors, or a folder")
@@ -48,10 +50,17 @@ def register(subparsers) -> None:
         help="folder layout: shards of at most SIZE (5GB, 500MB, 2GiB); default 5GB",
     )
     export.add_argument(
+        "--save-dtype",
+        choices=PRECISIONS,
+        default=None,
+        help="safetensors: the dtype of floating tensors (default: the source model's, as the "
+        "Hugging Face config names it, else as trained; a LoRA run's adapters: as trained)",
+    )
+    export.add_argument(
         "--merge",
         action="store_true",
         help="a LoRA run's checkpoint: the base model with the adapters merged in, as a "
-        "save_pretrained folder in the base's dtype (default: a PEFT adapter folder)",
+        "save_pretrained folder in the source model's dtype (default: a PEFT adapter folder)",
     )
     export.set_defaults(func=guarded(cmd_export))
     imp = sub.add_parser(
@@ -99,18 +108,20 @@ def cmd_export(args: argparse.Namespace) -> None:
     if _lora_folder_export(args):
         return
     if _export_format(args) == "safetensors":
-        from fsdp2lab.checkpoint.safetensors_export import export_safetensors, parse_size
+        from fsdp2lab.checkpoint.safetensors_export import export_safetensors
+        from fsdp2lab.config import parse_size
 
         hf_config = _read_hf_config(args.hf_config) if args.hf_config else None
-        done = export_safetensors(
-            args.ckpt, args.out, hf_config=hf_config, max_shard_size=parse_size(args.max_shard_size)
-        )
+        size = parse_size(args.max_shard_size)
+        done = export_safetensors(args.ckpt, args.out, hf_config, size, args.save_dtype)
         tied = f"; {len(done.tied)} tied weights stored once" if done.tied else ""
         print(
             f"exported {done.tensors} tensors ({done.total_bytes:,} bytes) of {done.ckpt.path} "
             f"to {args.out} as safetensors ({len(done.files)} files{tied})"
         )
         return
+    if args.save_dtype:
+        raise UsageError("--save-dtype goes with safetensors (OUT.safetensors or a folder)")
     from fsdp2lab.checkpoint.export import export_checkpoint
 
     ckpt, weights = export_checkpoint(args.ckpt, args.out)
@@ -135,12 +146,12 @@ def _lora_folder_export(args: argparse.Namespace) -> bool:
     if args.hf_config:
         raise UsageError("--hf-config: a LoRA run's export takes the config its run recorded")
     if args.merge:
-        from fsdp2lab.checkpoint.safetensors_export import parse_size
+        from fsdp2lab.config import parse_size
 
-        done = export_merged(args.ckpt, args.out, parse_size(args.max_shard_size))
+        done = export_merged(args.ckpt, args.out, parse_size(args.max_shard_size), args.save_dtype)
         what = "the base model with the adapters merged in, as safetensors"
     else:
-        done = export_adapter(args.ckpt, args.out)
+        done = export_adapter(args.ckpt, args.out, args.save_dtype)
         what = "a PEFT adapter folder"
     print(
         f"exported {done.tensors} tensors ({done.total_bytes:,} bytes) of {done.ckpt.path} to "

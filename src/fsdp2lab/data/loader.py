@@ -31,8 +31,9 @@ class DataChoice:
 
 def choose(cfg: TrainConfig, spec: ModelSpec) -> DataChoice:
     """Decide which dataset to use, downloading if needed. Run on one rank only."""
-    if is_reference(cfg.dataset):
-        load_object(cfg.dataset, "--dataset")  # refused here, before workers start: os:system
+    if is_reference("dataset", cfg.dataset):
+        # refused here, before workers start: os:system
+        load_object(cfg.dataset, "--dataset", "dataset")
         return DataChoice(cfg.dataset, None, f"{cfg.dataset} (your dataset)")
     if tokens.is_tokens(cfg.dataset):
         folder = cfg.dataset.removeprefix(tokens.PREFIX)
@@ -83,7 +84,7 @@ def _ensure(name: str, cfg: TrainConfig):
 def load(
     choice: DataChoice, cfg: TrainConfig, spec: ModelSpec
 ) -> tuple[ArrayDataset, ArrayDataset]:
-    if is_reference(choice.name):
+    if is_reference("dataset", choice.name):
         return user.load(choice.name)
     if choice.name == "synthetic":
         n_test = max(1, cfg.synthetic_size // 4)

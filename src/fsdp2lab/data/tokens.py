@@ -48,6 +48,7 @@ DTYPES = ("uint16", "uint32")
 PIECE_CHARS = 1 << 16
 BATCH_CHARS = 1 << 18
 MIN_WINDOW = 2  # tokens of the smallest window (--seq-len 1): an input and its target
+SCAN_TOKENS = 1 << 24  # tokens read at a time when a header lacks the largest id
 
 
 def is_tokens(name: str) -> bool:
@@ -440,20 +441,37 @@ def check_files(folder: str) -> dict:
     return header
 
 
+def largest_id(folder: str, header: dict) -> int:
+    """The largest token id in the folder's files (checked by :func:`check_files`), read once
+    in blocks of :data:`SCAN_TOKENS`: for a header without ``max_token_id``."""
+    largest = 0
+    for split in ("train", "val"):
+        if header[f"{split}_tokens"] == 0:
+            continue  # numpy cannot map an empty file
+        ids = np.memmap(Path(folder) / f"{split}.bin", dtype=np.dtype(header["dtype"]), mode="r")
+        for start in range(0, len(ids), SCAN_TOKENS):
+            largest = max(largest, int(ids[start : start + SCAN_TOKENS].max()))
+    return largest
+
+
 def check(folder: str, vocab_size: int, seq_len: int, tokenizer: str | None) -> dict:
     """The header of ``tokens:DIR`` and its files (:func:`check_files`), checked against the
-    model's vocabulary, ``--seq-len`` and ``--tokenizer`` (before any worker starts)."""
+    model's vocabulary (the header's ``max_token_id``; without one, the files' largest id),
+    ``--seq-len`` and ``--tokenizer``, before any worker starts: no id past the vocabulary
+    reaches a device."""
     header = check_files(folder)
     where = f"--dataset tokens:{folder}"
-    largest = header.get("max_token_id")
+    largest, read = header.get("max_token_id"), ""
     if largest is None and header["vocab_size"] > vocab_size:
         raise UsageError(
             f"{where}: its tokenizer's vocabulary ({header['vocab_size']:,} tokens) is larger "
             f"than the model's embedding ({vocab_size:,})"
         )
-    if largest is not None and largest >= vocab_size:
+    if largest is None:  # a header written before the largest id was recorded: the files say
+        largest, read = largest_id(folder, header), f" (read from its files: {HEADER} has none)"
+    if largest >= vocab_size:
         raise UsageError(
-            f"{where}: its largest token id is {largest:,}, beyond the model's vocabulary "
+            f"{where}: its largest token id is {largest:,}{read}, beyond the model's vocabulary "
             f"({vocab_size:,} tokens: ids 0 to {vocab_size - 1:,})"
         )
     if tokenizer is not None:

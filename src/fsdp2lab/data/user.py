@@ -16,7 +16,7 @@ from fsdp2lab.models.user import load_object
 
 
 def load(reference: str) -> tuple[ArrayDataset, ArrayDataset]:
-    factory = load_object(reference, "--dataset")
+    factory = load_object(reference, "--dataset", "dataset")
     try:
         made = factory()
     except Exception as e:  # the user's code

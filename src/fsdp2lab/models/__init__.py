@@ -24,7 +24,7 @@ def get_spec(name: str, cfg=None) -> ModelSpec:
     (``module:NAME`` / ``file.py:NAME``; needs ``cfg``)."""
     if hf.is_hf(name):
         return hf.spec(name, cfg)
-    if is_reference(name):
+    if is_reference("model", name):
         return load_spec(name, cfg)
     if name not in MODELS:
         raise UsageError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}")

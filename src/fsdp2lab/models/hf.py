@@ -64,8 +64,8 @@ def _cached_snapshot(repo_id: str) -> Path | None:
 
 
 def read_config(folder: Path):
-    """The model's transformers config, read offline; a malformed config.json, remote code and
-    unknown types refused."""
+    """The model's transformers config, read offline; a malformed config.json, remote code, a
+    hub kernel, sizes that are not positive integers and unknown types refused."""
     file = folder / "config.json"
     try:
         raw = json.loads(file.read_bytes())
@@ -73,39 +73,111 @@ def read_config(folder: Path):
         raise UsageError(f"--model hf:{folder}: {file} is not valid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise UsageError(f"--model hf:{folder}: {file} is not a JSON object")
-    if raw.get("auto_map"):
-        raise UsageError(
-            f"--model hf:{folder}: the model needs remote code (auto_map in config.json), "
-            "which fsdp2lab does not run"
-        )
+    check_settings(raw, f"--model hf:{folder}", "config.json")
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(folder, local_files_only=True)
+        return AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     except (ValueError, KeyError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(
             f"--model hf:{folder}: model type {raw.get('model_type')!r} is not known to "
-            f"transformers here ({first})"
+            f"transformers here ({first_line(e)})"
         ) from None
+    except Exception as e:  # the config's own checks (a field of the wrong type, a division)
+        raise UsageError(
+            f"--model hf:{folder}: config.json is refused by transformers: {first_line(e)}"
+        ) from None
+
+
+# Sizes a causal LM's config gives, each a positive integer where it is set.
+POSITIVE_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
+# Keys that ask transformers to import the model's own code.
+REMOTE_CODE_KEYS = ("auto_map", "trust_remote_code")
+ATTENTION_KEYS = ("attn_implementation", "_attn_implementation", "_attn_implementation_internal")
+
+
+def check_settings(settings: dict, where: str, what: str) -> None:
+    """A UsageError (``where: ...``) naming the key where a Hugging Face config ``what``
+    (``config.json``, a checkpoint's recorded ``hf_config``; sub-configs too) asks for code
+    (``auto_map``, ``trust_remote_code``), for an attention that is not one of transformers' own
+    (a hub kernel, ``org/repo``), or gives one of :data:`POSITIVE_SIZES` as anything but a
+    positive integer."""
+    for key, value in settings.items():
+        if key in REMOTE_CODE_KEYS and value:
+            raise UsageError(
+                f"{where}: the model needs remote code ({key} in {what}), which fsdp2lab does "
+                "not run"
+            )
+        if key in ATTENTION_KEYS and value is not None:
+            for name in value.values() if isinstance(value, dict) else [value]:
+                if name is not None and not (isinstance(name, str) and name in builtin_attention()):
+                    raise UsageError(
+                        f"{where}: {key} {name!r} in {what} is not one of transformers' own "
+                        f"attentions ({', '.join(sorted(builtin_attention()))}): no kernel is "
+                        "fetched from the hub"
+                    )
+        if key in POSITIVE_SIZES and value is not None and not _positive_int(value):
+            raise UsageError(f"{where}: {key} is {value!r} in {what}, not a positive integer")
+        if isinstance(value, dict):  # a sub-config (text_config, ...)
+            check_settings(value, where, what)
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+@functools.cache
+def builtin_attention() -> frozenset[str]:
+    """transformers' own attention implementations (no hub kernel): eager, sdpa, flash and flex
+    attention, and their ``paged|`` forms."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    names = {"eager", *ALL_ATTENTION_FUNCTIONS.keys()}
+    names = {n for n in names if "/" not in n and ":" not in n}
+    return frozenset(names | {f"paged|{n}" for n in names if not n.startswith("paged|")})
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's first line (its type when it has no message)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def build_from_config(config, attn_implementation: str | None = None) -> nn.Module:
     """The causal LM of ``config`` in fp32 (call it under ``torch.device("meta")``, or through
-    :func:`~fsdp2lab.models.materialize.build_on_meta`, to build it without memory)."""
+    :func:`~fsdp2lab.models.materialize.build_on_meta`, to build it without memory); its config
+    keeps the ``dtype`` config.json names (what ``--save-hf`` and ``ckpt export`` write)."""
     from transformers import AutoModelForCausalLM
 
     attn = attn_implementation or getattr(config, "_attn_implementation", None) or "sdpa"
+    where = f"--model hf:{getattr(config, 'name_or_path', '')}"
+    source_dtype = getattr(config, "dtype", None)  # config.json's: the dtype a save keeps
     try:
-        return AutoModelForCausalLM.from_config(
-            config, dtype=torch.float32, attn_implementation=attn
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation=attn, trust_remote_code=False
         )
     except ValueError as e:
-        first = str(e).strip().splitlines()[0]
         raise UsageError(
-            f"--model hf: {type(config).__name__} has no causal language model in "
-            f"transformers: {first}"
+            f"{where}: {type(config).__name__} has no causal language model in transformers: "
+            f"{first_line(e)}"
         ) from None
+    except UsageError:
+        raise
+    except Exception as e:  # a config transformers took that its model cannot be built from
+        raise UsageError(
+            f"{where}: no model from its config.json ({type(e).__name__}: {first_line(e)})"
+        ) from None
+    model.config.dtype = source_dtype  # from_config set it to fp32
+    return model
 
 
 def without_kv_cache(model: nn.Module) -> nn.Module:

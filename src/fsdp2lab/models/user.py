@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch.nn as nn
 
+from fsdp2lab import consent
 from fsdp2lab.errors import UsageError
 from fsdp2lab.models.spec import ModelSpec, infer_units
 
@@ -74,7 +75,9 @@ def _refuse(what: str, reference: str, why: str) -> RefusedReference:
 
 
 def _check_module(where: str, what: str, reference: str) -> None:
-    """Before any import: the module or file is not the standard library's."""
+    """Before any import: the file, or the module's top-level package (found without importing
+    anything), is not the standard library's, an installed library's or fsdp2lab's. A module
+    already imported runs nothing when imported again: what it holds is judged by what it is."""
     if where.endswith(".py"):
         if library := _library_of(where):
             raise _refuse(what, reference, f"{where} is in {library}")
@@ -82,6 +85,20 @@ def _check_module(where: str, what: str, reference: str) -> None:
     top = where.partition(".")[0]
     if top in sys.stdlib_module_names or top in sys.builtin_module_names:
         raise _refuse(what, reference, f"{top} is part of Python's standard library")
+    if where in sys.modules:
+        return
+    try:
+        found = importlib.util.find_spec(top)  # a top-level name: no parent package to import
+    except (ImportError, ValueError):
+        found = None
+    if found is None:
+        return  # nothing to import: import_module says so
+    places = [*(found.submodule_search_locations or [])]
+    if found.origin and found.has_location:
+        places.append(found.origin)
+    for place in places:
+        if library := _library_of(place):
+            raise _refuse(what, reference, f"{where} is in {library} ({place}): not imported")
 
 
 def _defined_in(obj) -> str | None:
@@ -118,10 +135,13 @@ def _name(obj) -> str:
     return f"{module}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
 
 
-def load_object(reference: str, what: str):
-    """The object ``reference`` (``pkg.module:attr`` or ``path/file.py:attr``) names: a model
-    (an nn.Module class, a ModelSpec), a value, or code defined in the user's own file or package
-    (never the standard library's, an installed library's or fsdp2lab's: ``os:system``)."""
+def load_object(reference: str, what: str, key: str):
+    """The object ``reference`` (``pkg.module:attr`` or ``path/file.py:attr``), given as ``key``
+    (``model``, ``dataset``, ``loss``), names: a model (an nn.Module class, a ModelSpec), a value,
+    or code defined in the user's own file or package (never the standard library's, an installed
+    library's or fsdp2lab's: ``os:system``). Nothing is imported without consent
+    (:mod:`fsdp2lab.consent`)."""
+    consent.require_code(key, reference, what)
     where, _, attr = reference.rpartition(":")
     if not where or not attr:
         raise UsageError(f"{what} {reference!r}: expected MODULE:NAME or FILE.py:NAME")
@@ -195,7 +215,7 @@ def _call_factory(factory, reference: str, cfg) -> nn.Module:
 
 def load_spec(reference: str, cfg) -> ModelSpec:
     """The spec of a user model (a ModelSpec it declares, or one made for its factory)."""
-    obj = load_object(reference, "--model")
+    obj = load_object(reference, "--model", "model")
     if isinstance(obj, ModelSpec):
         return obj
     if not callable(obj):

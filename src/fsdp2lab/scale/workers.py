@@ -19,6 +19,8 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from fsdp2lab import consent
+
 if TYPE_CHECKING:
     from fsdp2lab.config import TrainConfig
     from fsdp2lab.plan import RunPlan
@@ -68,7 +70,7 @@ class Simulations:
             if self._pool is None:
                 self._pool = concurrent.futures.ProcessPoolExecutor(
                     self.workers, mp_context=multiprocessing.get_context("spawn"),
-                    initializer=_one_thread,
+                    initializer=_start, initargs=(consent.current(),),
                 )  # fmt: skip
             args = [(plans[i].cfg, plans[i].world_size, depths[i], rank) for i, rank in jobs]
             runs = list(self._pool.map(_simulate, *zip(*args, strict=True)))
@@ -85,10 +87,12 @@ class Simulations:
             self._pool.shutdown(cancel_futures=True)
 
 
-def _one_thread() -> None:
-    """A worker's torch on one thread: the CPUs are the workers'."""
+def _start(given: consent.Consent) -> None:
+    """A worker: the consent this command's line gave (it imports the same model), and torch on
+    one thread (the CPUs are the workers')."""
     import torch
 
+    consent.restore(given)
     torch.set_num_threads(1)
 
 

@@ -6,11 +6,13 @@ failed, the run ends with exit code 1. Weights that are not finite are never sav
 ``--async-checkpoint`` the shards are copied to memory at once and the folder is written by
 background threads while training goes on, at most one save in flight; the run waits for the
 last one before it ends.
+
+The folder itself is checked with the plan (``plan.check_machine``: in the launcher, before any
+worker starts: :func:`fsdp2lab.checkpoint.hf_save.check_target`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -18,13 +20,12 @@ from typing import TYPE_CHECKING
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fsdp2lab.checkpoint import state as ckpt_state
-from fsdp2lab.checkpoint.hf_save import save_hf
-from fsdp2lab.checkpoint.safetensors_export import check_out_folder
-from fsdp2lab.config import TrainConfig
+from fsdp2lab.checkpoint.hf_save import run_info, save_hf
+from fsdp2lab.checkpoint.safetensors_export import DEFAULT_MAX_SHARD_SIZE
+from fsdp2lab.config import TrainConfig, parse_size
 from fsdp2lab.errors import TrainingFailed
 from fsdp2lab.runtime import logs
-from fsdp2lab.runtime.distributed import Runtime, new_io_group, on_rank0
+from fsdp2lab.runtime.distributed import Runtime, new_io_group
 from fsdp2lab.training.hooks import Hooks
 from fsdp2lab.training.nan_guard import all_finite
 
@@ -40,6 +41,10 @@ class SaveHF(Hooks):
         self.group = new_io_group(runtime)
         self.run: dict = {}
         self.asynchronous = cfg.async_checkpoint
+        self.dtype = cfg.save_dtype
+        self.max_shard_size = (
+            parse_size(cfg.max_shard_size) if cfg.max_shard_size else DEFAULT_MAX_SHARD_SIZE
+        )
         self.in_flight: tuple[Future, int, float] | None = None
         self.saved_step: int | None = None
         self.failed: str | None = None
@@ -47,16 +52,8 @@ class SaveHF(Hooks):
         self.what = "PEFT adapter" if adapter else "Hugging Face model"
 
     def before_fit(self, trainer: Trainer) -> None:
-        # The companion files' hashes as this run reads them: a file changed later is not copied.
-        source = trainer.plan.spec.source
-        self.run = {
-            "hf_config": ckpt_state.hf_config_of(trainer.plan.meta_model),
-            "hf_source": source,
-            "companions": ckpt_state.companion_files(source, trainer.cfg.tokenizer),
-            "config": dataclasses.asdict(trainer.cfg),  # a LoRA run's: its adapters' config
-        }
-        out, run = Path(self.out), self.run  # refused before training, not after it
-        on_rank0(lambda: check_out_folder(out, run, {}))
+        plan = trainer.plan  # the folder was checked with the plan
+        self.run = run_info(plan.cfg, plan.meta_model, plan.spec.source)
 
     def after_step(self, trainer: Trainer) -> None:
         if self.in_flight is not None and self.in_flight[0].done():
@@ -90,8 +87,8 @@ class SaveHF(Hooks):
             return
         started = time.perf_counter()
         try:
-            files = save_hf(trainer.model, self.out, self.run, self.group,
-                            asynchronous=self.asynchronous, step=step)  # fmt: skip
+            files = save_hf(trainer.model, self.out, self.run, self.group, self.max_shard_size,
+                            self.asynchronous, step, self.dtype)  # fmt: skip
         except (CheckpointException, OSError) as e:
             return self._failed(step, e)
         if isinstance(files, Future):
