@@ -78,14 +78,6 @@ def restore(state: Consent) -> None:
     _state = state
 
 
-def allow_code() -> bool:
-    return _state.allow_code
-
-
-def allow_paths() -> bool:
-    return _state.allow_paths
-
-
 def was_typed(key: str, value: Any) -> bool:
     """Whether the command line gave ``value`` as ``key``'s value."""
     return (key, value) in _state.typed
