@@ -19,7 +19,8 @@ import re
 
 NO_GPU = "no CUDA device (torch.cuda.is_available() is False)"
 # The package of each extra whose absence may skip a test, and the marker of the stage installing it.
-EXTRA_STAGES = {"transformers": "hf", "pyarrow": "hf"}
+# torchao (the qlora extra) is installed by the hf stage, whose tests also need PEFT for LoRA.
+EXTRA_STAGES = {"transformers": "hf", "pyarrow": "hf", "torchao": "hf"}
 
 
 def fewer_gpus(needed: int, here: int) -> str:

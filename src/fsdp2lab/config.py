@@ -79,6 +79,13 @@ class TrainConfig:
         "model type's attention and MLP projections, e.g. q_proj,...,down_proj)",
         metavar="NAMES",
     )
+    quantize_base: str | None = _opt(
+        None,
+        "QLoRA: store the frozen linear weights of the decoder layers in torchao's NF4 (blocks "
+        "of 64, double-quantized scales; needs --lora-rank and the qlora extra; --strategy "
+        "fsdp2 or single)",
+        choices=("nf4",),
+    )
     n_layers: int = _opt(4, "gpt: transformer blocks")
     d_model: int = _opt(128, "gpt: embedding width")
     n_heads: int = _opt(4, "gpt: attention heads")
@@ -617,6 +624,8 @@ def validate_basic(cfg: TrainConfig) -> None:
         for name in ("lora_alpha", "lora_targets"):
             if getattr(cfg, name) is not None:
                 raise UsageError(f"--{name.replace('_', '-')} needs --lora-rank R")
+    if cfg.quantize_base and cfg.lora_rank is None:
+        raise UsageError(f"--quantize-base {cfg.quantize_base} needs --lora-rank R")
     for name in ("save_hf_every_steps", "save_dtype", "max_shard_size"):
         if getattr(cfg, name) and not cfg.save_hf:
             raise UsageError(f"--{name.replace('_', '-')} needs --save-hf DIR")

@@ -23,7 +23,7 @@ import torch.nn as nn
 from fsdp2lab.config import TrainConfig, is_reference
 from fsdp2lab.data import tokens
 from fsdp2lab.errors import UsageError
-from fsdp2lab.models import get_spec, lora
+from fsdp2lab.models import get_spec, lora, quantize
 from fsdp2lab.models.materialize import build_on_meta
 from fsdp2lab.models.spec import ModelSpec, logits_of
 from fsdp2lab.models.user import load_object
@@ -72,6 +72,8 @@ def resolve(cfg: TrainConfig, world_size: int, device_type: str | None = None) -
             message += " (it places layers on the devices of one process)"
         raise UsageError(message)
     strategy.check(cfg)
+    if cfg.quantize_base:
+        quantize.check(cfg)
     if cfg.lora_rank is not None:
         lora.check(cfg)
     if (cfg.compile or cfg.activation_checkpointing != "none") and cfg.strategy in (
@@ -106,6 +108,10 @@ def resolve(cfg: TrainConfig, world_size: int, device_type: str | None = None) -
         _check_save_hf(cfg, model)
     if cfg.lora_rank is not None:  # adapters on the meta model: sharded with their layer
         cfg, spec, model = _with_lora(cfg, spec, model)
+    if cfg.quantize_base:  # the base loaded whole, quantized, then sharded (NF4's own split)
+        quantize.check_sizes(model, units, dims.dp_shard)
+        spec = dataclasses.replace(spec, load_weights=quantize.after_load(spec.load_weights, units))
+        strategy = dataclasses.replace(strategy, materialize_first=True)
     if is_reference("model", cfg.model) and not your_dataset:  # checked when it is loaded
         classify = spec.task == "classify"
         classes = spec.num_classes if classify else cfg.vocab_size

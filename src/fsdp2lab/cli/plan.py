@@ -67,6 +67,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from fsdp2lab.scale.report import format_report, plan_report
 
     cfg = config_from_args(args)
+    if cfg.quantize_base:
+        raise UsageError("fsdp2lab plan does not model --quantize-base yet (its NF4 base)")
     nproc = cfg.nproc_per_node or 8
     if not 0 <= args.memory_margin < 1 or args.inter_node_gbs <= 0:
         raise UsageError("--memory-margin must be in [0, 1), --inter-node-gbs > 0")

@@ -74,6 +74,9 @@ DTensor's shape inference, flagged      -        private ``ShardingPropagator._p
 the memory tracker's module peaks, fast   -        private ``MemTracker._update_peak_stats``,
                                                    ``memory_tracking``, ``_mod_tracker.parents``
                                                    (``ActiveModulePeaks``; else torch's update)
+torchao's NF4Tensor, to_nf4 (--quantize-   torchao  ``torchao.quantization`` (0.18; before:
+base)                                     0.18     ``torchao.dtypes.nf4tensor``), with FSDP2's
+                                                   ``fsdp_pre/post_all_gather`` (``torchao_nf4``)
 ========================================  =======  ==============================================
 """
 
@@ -84,6 +87,7 @@ import collections
 import contextlib
 import inspect
 import io
+import logging
 import os
 import pathlib
 import pickle
@@ -440,6 +444,43 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[fqn], loaded)
         else:
             self.state_dict[fqn] = loaded
+
+
+# --------------------------------------------------------------------------- torchao NF4
+QLORA_INSTALL = "pip install -e '.[qlora]'"
+
+
+class _EnumConstantNotice(logging.Filter):
+    """Drops torch's warning that an Enum registered as a pytree constant needs no
+    registration: torchao registers several at import, and transformers imports torchao wherever
+    it is installed, so every process of a ``hf:`` or LoRA run would print them on stderr."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is an Enum subclass and is now natively supported" not in record.getMessage()
+
+
+logging.getLogger("torch.utils._pytree").addFilter(_EnumConstantNotice())
+
+
+def torchao_nf4() -> tuple[type, Callable] | str:
+    """torchao's ``(NF4Tensor, to_nf4)`` (``torchao.quantization``; before 0.18
+    ``torchao.dtypes.nf4tensor``), or why there is none: torchao missing, or one without them or
+    without FSDP2's all-gather hooks on NF4Tensor."""
+    try:
+        from torchao.quantization import NF4Tensor, to_nf4
+    except ImportError:
+        try:
+            from torchao.dtypes.nf4tensor import NF4Tensor, to_nf4
+        except ImportError:
+            try:
+                import torchao
+            except ImportError:
+                return f"--quantize-base needs torchao, which is not installed ({QLORA_INSTALL})"
+            version = getattr(torchao, "__version__", "?")
+            return f"--quantize-base: torchao {version} has no NF4Tensor ({QLORA_INSTALL})"
+    if not all(hasattr(NF4Tensor, h) for h in ("fsdp_pre_all_gather", "fsdp_post_all_gather")):
+        return f"--quantize-base: this torchao's NF4Tensor has no FSDP2 all-gather hooks ({QLORA_INSTALL})"
+    return NF4Tensor, to_nf4
 
 
 # ---------------------------------------------------------------------- process groups

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 def _local_bytes(t: torch.Tensor) -> int:
     if isinstance(t, DTensor):
         t = local_tensor(t)
+    if hasattr(t, "__tensor_flatten__"):  # a tensor subclass (torchao's NF4): what it stores
+        return sum(_local_bytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
     return t.numel() * t.element_size()
 
 

@@ -1,0 +1,115 @@
+"""``--quantize-base nf4``: QLoRA's frozen base, its decoder layers' linear weights in torchao's NF4.
+
+Every frozen ``nn.Linear`` weight inside the sharding units (the decoder layers: attention and
+MLP projections, PEFT's ``base_layer`` under an adapter) becomes a torchao ``NF4Tensor`` with
+torchao's defaults: absmax blocks of ``BLOCK`` = 64 values, each block's scale double-quantized to
+int8 in blocks of ``SCALER_BLOCK`` = 256 scales (less their mean). Embeddings, norms, biases and
+the output head stay in the base's dtype; the LoRA adapters stay fp32 and trainable.
+
+The weights are quantized whole, after the base is loaded (the plan makes the strategy
+materialise the model first); FSDP2 then shards each NF4 weight by rows with torchao's own
+split and all-gathers its NF4 parts (``NF4Tensor.fsdp_pre/post_all_gather``), so every rank
+computes with the whole tensor's quantization.
+
+* :func:`check` -- what ``--quantize-base`` refuses before any worker starts (one line): other
+  strategies than ``fsdp2`` (HSDP too) and ``single``, ``--tp``, ``--pp``, checkpoints,
+  ``--save-hf``, ``--save-model``, ``--compile``, ``--cpu-offload``.
+* :func:`check_sizes` -- each quantized weight splits into whole NF4 blocks on every shard.
+* :func:`base_linears` -- the linear modules whose weights become NF4.
+* :func:`after_load` -- a ``ModelSpec.load_weights`` that loads the base, then quantizes it.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from fsdp2lab.errors import UsageError
+from fsdp2lab.models.lora import is_adapter
+from fsdp2lab.runtime.torch_compat import torchao_nf4
+
+BLOCK = 64  # values per absmax block (torchao's to_nf4 default, the QLoRA paper's)
+SCALER_BLOCK = 256  # block scales per double-quantization block (torchao's default)
+VALUES_PER_SCALER_BLOCK = BLOCK * SCALER_BLOCK  # 16,384: what NF4 quantizes as a whole
+# Flags (config field -> is it set) whose code paths do not handle NF4 weights yet.
+_NOT_YET = {
+    "ckpt_dir": "--ckpt-dir (checkpoints and resume: the NF4 base is not rebuilt on resume)",
+    "save_hf": "--save-hf",
+    "save_model": "--save-model",
+    "compile": "--compile",
+    "cpu_offload": "--cpu-offload",
+}
+STRATEGIES = ("fsdp2", "single")
+
+
+def nf4_api():
+    """torchao's ``(NF4Tensor, to_nf4)``; UsageError (one line) without a torchao that has them."""
+    api = torchao_nf4()
+    if isinstance(api, str):
+        raise UsageError(api)
+    return api
+
+
+def check(cfg) -> None:
+    """What ``--quantize-base`` refuses before the model is built: UsageError, one line."""
+    nf4_api()
+    if cfg.strategy not in STRATEGIES or cfg.tp > 1 or cfg.pp > 1:
+        layout = "--tp" if cfg.tp > 1 else "--pp" if cfg.pp > 1 else f"--strategy {cfg.strategy}"
+        raise UsageError(
+            f"--quantize-base does not support {layout} yet: use --strategy fsdp2 (HSDP too) "
+            "or single"
+        )
+    unsupported = [flag for name, flag in _NOT_YET.items() if getattr(cfg, name)]
+    if unsupported:
+        raise UsageError(f"--quantize-base does not support {', '.join(unsupported)} yet")
+
+
+def base_linears(model: nn.Module, units: tuple[str, ...]) -> list[tuple[str, nn.Linear]]:
+    """The frozen linear modules (not LoRA's own) inside the sharding units: (name, module)."""
+    found = []
+    for unit in units:
+        for name, module in model.get_submodule(unit).named_modules(prefix=unit):
+            if (
+                isinstance(module, nn.Linear)
+                and not is_adapter(name)
+                and not module.weight.requires_grad
+            ):
+                found.append((name, module))
+    return found
+
+
+def check_sizes(model: nn.Module, units: tuple[str, ...], shards: int) -> None:
+    """Each quantized weight must split into whole double-quantization blocks on each of the
+    ``shards`` ranks FSDP2 shards it over (torchao's NF4 split): UsageError naming the first
+    weight that does not, and the sizes that would."""
+    linears = base_linears(model, units)
+    if not linears:
+        raise UsageError("--quantize-base: the model's layers hold no frozen nn.Linear to quantize")
+    per_weight = VALUES_PER_SCALER_BLOCK * shards
+    for name, module in linears:
+        rows, cols = module.weight.shape
+        if rows % shards or (rows * cols) % per_weight:
+            over = f" over {shards} ranks" if shards > 1 else ""
+            raise UsageError(
+                f"--quantize-base nf4: {name}.weight {rows} x {cols} does not split into whole "
+                f"NF4 blocks{over}: its size must be a multiple of {BLOCK} x {SCALER_BLOCK} x "
+                f"{shards} = {per_weight:,} values (and its rows of {shards})"
+            )
+
+
+def quantize_base(model: nn.Module, units: tuple[str, ...]) -> None:
+    """Replace each :func:`base_linears` weight of the materialised ``model`` by its NF4."""
+    _, to_nf4 = nf4_api()
+    for _, module in base_linears(model, units):
+        weight = to_nf4(module.weight.detach(), BLOCK, SCALER_BLOCK)
+        module.weight = nn.Parameter(weight, requires_grad=False)
+
+
+def after_load(load_weights, units: tuple[str, ...]):
+    """A ``ModelSpec.load_weights`` that loads the base (and adapters) as ``load_weights`` does,
+    then quantizes the base (:func:`quantize_base`)."""
+
+    def load(model: nn.Module, reference: nn.Module) -> None:
+        load_weights(model, reference)
+        quantize_base(model, units)
+
+    return load
