@@ -50,18 +50,19 @@ def margin_below(needed_reserved: int) -> str:
 
 @pytest.mark.slow
 def test_search_where_memory_rules_out_the_fastest(capsys, monkeypatch):
-    """With room for everything, the fastest layout wins; with a margin that leaves it one byte
-    short, it is gone, the next fit in order of tokens/s, and every printed command, planned by
+    """With room for everything, the fastest layout is listed; with a margin that leaves it one
+    byte short, it is gone, the next fit in order of ties, and every printed command, planned by
     ``fsdp2lab plan``, gives the printed figures (the five are planned exactly)."""
     free = cli_json(capsys, [*GPT, *WORLD, "--search"])
-    fastest = free["top"][0]
+    fastest = max(free["top"], key=lambda e: e["tokens_per_s_per_gpu"])
     assert fastest["layout"]["ac"] == "none"
     margin = margin_below(fastest["reserved_bytes_per_rank"])
     tight = cli_json(capsys, [*GPT, *WORLD, "--memory-margin", margin, "--search"])
     top = tight["top"]
     assert len(top) == 5 and fastest["command"] not in [e["command"] for e in top]
-    speeds = [e["tokens_per_s_per_gpu"] for e in top]
-    assert speeds == sorted(speeds, reverse=True) and speeds[0] <= fastest["tokens_per_s_per_gpu"]
+    speeds = [e["tokens_per_s_per_gpu"] for e in top]  # by tie (tests/test_search_ties.py)
+    assert [e["tie"] for e in top] == sorted(e["tie"] for e in top)
+    assert max(speeds) <= fastest["tokens_per_s_per_gpu"]
     # the fastest's family is simulated (its fastest corner bounds it), the rest pruned
     assert tight["pruned_by_memory"] + tight["pruned_by_speed"] > 0
     for e in top:

@@ -9,6 +9,8 @@ allocations, metadata) are left out.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +53,36 @@ NO_KERNEL = {
 }
 
 
+# True while ops run that ``--compile`` leaves eager (:func:`uncompiled`)
+_UNCOMPILED = contextvars.ContextVar("uncompiled", default=False)
+
+
+@contextlib.contextmanager
+def uncompiled():
+    """Ops recorded inside run eager under ``--compile``: it compiles the sharding units, not
+    what runs between them (the loss)."""
+    token = _UNCOMPILED.set(True)
+    try:
+        yield
+    finally:
+        _UNCOMPILED.reset(token)
+
+
+def uncompiled_backward(result: torch.Tensor, source: torch.Tensor) -> None:
+    """Record the backward from ``result`` to ``source`` (a loss to its logits) as eager ops:
+    from the gradient of ``result`` until that of ``source`` is made."""
+    if result.requires_grad and source.requires_grad:
+        result.register_hook(_uncompiled_from_here(True))
+        source.register_hook(_uncompiled_from_here(False))
+
+
+def _uncompiled_from_here(on: bool):
+    def hook(grad: torch.Tensor) -> None:
+        _UNCOMPILED.set(on)
+
+    return hook
+
+
 @dataclass(slots=True)
 class Op:
     # "matmul", "attention", "memory" (bound by bytes), "collective", and "copy_in": FSDP2's
@@ -67,7 +99,7 @@ class Op:
     dim: str = ""  # a collective's mesh dimension
     wire_bytes: int = 0  # what a rank sends (= receives) for a collective
     optimizer: bool = False  # run by the optimizer step
-    fusable: bool = True  # an aten op a compiler may fuse with its neighbours
+    fusable: bool = True  # an aten op of a compiled unit: a compiler may fuse it with neighbours
     fsdp: str = ""  # FSDP2's own op (``torch.ops.fsdp``): its name
     collective: str = ""  # a collective's kind: all_gather, reduce_scatter, all_reduce, ...
 
@@ -164,7 +196,7 @@ class OpTrace:
                 read,
                 written,
                 optimizer=self.optimizer,
-                fusable=namespace == "aten",
+                fusable=namespace == "aten" and not _UNCOMPILED.get(),
                 **extra,
             )
         )

@@ -47,7 +47,9 @@ through them to the model's depth.
 shallow copies, its stages) run in worker processes (:mod:`fsdp2lab.scale.workers`).
 
 The fastest five are then planned exactly, as ``fsdp2lab plan`` plans them (each with its own
-simulation): the figures printed are exact, and their order is by those.
+simulation): the figures printed are exact, and their order is by those, but for ties: layouts
+within the time model's error of each other (``scale.checked_rows.MODEL_ERROR``) rank the
+simpler first (:func:`rank_with_ties`).
 """
 
 from __future__ import annotations
@@ -55,11 +57,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import shlex
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from fsdp2lab.config import _FIELDS, AC_MODES, TrainConfig
 from fsdp2lab.errors import UsageError
+from fsdp2lab.scale.checked_rows import MODEL_ERROR
 from fsdp2lab.scale.estimate import Hardware
 from fsdp2lab.scale.report import combine, gib_text, summarize
 
@@ -518,7 +522,7 @@ def search(
                 f = planned.get(x) or figures[x]
                 if f["fits"]:
                     best.append((x, f))
-    best = sorted(best, key=lambda pair: speed(pair[1]))[:top]
+    best = rank_with_ties(sorted(best, key=lambda pair: speed(pair[1]))[:top], MODEL_ERROR)
     return {
         "model": cfg.model,
         "world_size": world_size,
@@ -530,8 +534,32 @@ def search(
         "fixed": {name: getattr(cfg, name) for name in fixed},
         **counts,
         "fit": len(ranked),
-        "top": [_entry(cfg, x, f) for x, f in best],
+        "model_error": MODEL_ERROR,
+        "top": [{**_entry(cfg, x, f), "tie": tie} for x, f, tie in best],
     }
+
+
+def simplicity(layout: Layout, f: dict) -> tuple[int, bool, int]:
+    """What makes a layout simpler to run, the simplest least: fewer mesh dimensions, no TP
+    before TP, less activation checkpointing."""
+    dims = sum(size > 1 for size in f["mesh"].values())
+    return dims, layout.tp > 1, AC_BY_RECOMPUTATION.index(layout.ac)
+
+
+def rank_with_ties(best: list[tuple[Layout, dict]], error: float) -> list[tuple[Layout, dict, int]]:
+    """``best`` (layouts and their figures, the fastest first) with ties: the layouts whose
+    tokens/s are within ``error`` (the model's, :data:`MODEL_ERROR`) of the fastest left are a
+    tie, ranked simplest first (:func:`simplicity`; of equals, the faster). Each comes with its
+    tie's number, counted from 1."""
+    out: list[tuple[Layout, dict, int]] = []
+    left = list(best)
+    while left:
+        fastest = left[0][1]["tokens_per_s_per_gpu"]
+        tie = [p for p in left if p[1]["tokens_per_s_per_gpu"] * (1 + error) >= fastest]
+        left = [p for p in left if p not in tie]
+        number = len({t for *_, t in out}) + 1
+        out += [(x, f, number) for x, f in sorted(tie, key=lambda p: simplicity(*p))]
+    return out
 
 
 def _most_telling(keys: list[Layout]) -> Layout:
@@ -544,6 +572,11 @@ def _most_telling(keys: list[Layout]) -> Layout:
         return min(sum(leaner(x, y) for y in others), sum(faster(x, y) for y in others))
 
     return max(keys, key=told)
+
+
+# Activation checkpointing, the least recomputation first: per-op AC recomputes no attention,
+# ``selective`` every other layer whole, ``full`` every layer.
+AC_BY_RECOMPUTATION = ("none", "op", "selective", "full")
 
 
 def _ac_order(ac: str) -> int:
@@ -611,13 +644,21 @@ def format_search(r: dict) -> str:
     if r["fixed"]:
         kept = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in r["fixed"].items())
         lines[0] = lines[0].replace(" layouts, ", f" layouts (with {kept}), ", 1)
+    ties = Counter(e["tie"] for e in r["top"])
+    if any(n > 1 for n in ties.values()):
+        lines.append(
+            f"Layouts within the model's error ({r['model_error']:.0%}, its largest on the "
+            "published runs it is checked against) are a tie, marked, the simplest first "
+            "(fewer mesh dimensions, no TP, less AC)."
+        )
     for i, e in enumerate(r["top"], 1):
         t = e["time"]
+        tie = f"(tie {e['tie']}) " if ties[e["tie"]] > 1 else ""
         parts = " + ".join(
             f"{name} {_ms(t[key])}" for key, name in STEP_PARTS if t.get(key) or key == "matmul_s"
         )
         lines.append(
-            f"{i}. {e['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, MFU {e['mfu']:.1%}, reserved "
+            f"{i}. {tie}{e['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, MFU {e['mfu']:.1%}, reserved "
             f"{gib_text(e['reserved_bytes_per_rank'])} (peak: {e['peak_phase']}), "
             f"{e['label']} "
             + " x ".join(f"{k}={v}" for k, v in e["mesh"].items())

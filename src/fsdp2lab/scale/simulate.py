@@ -64,7 +64,7 @@ from fsdp2lab.runtime.torch_compat import (
     dtensor_shape_inference,
     pipeline_checks_local_shards,
 )
-from fsdp2lab.scale.op_trace import Op, OpTrace, nbytes
+from fsdp2lab.scale.op_trace import Op, OpTrace, nbytes, uncompiled, uncompiled_backward
 from fsdp2lab.training.loss import model_loss
 from fsdp2lab.training.metrics import state_bytes
 from fsdp2lab.training.optim import build_optimizer
@@ -325,8 +325,16 @@ def _batch(plan: RunPlan, size: int | None = None) -> tuple[torch.Tensor, torch.
 
 
 def _loss(plan: RunPlan, output, target, reduction: str = "mean") -> torch.Tensor:
-    """The trainer's loss (``training.loss.model_loss``: yours, else chunked cross-entropy)."""
-    return model_loss(output, target, plan.loss, reduction)
+    """The trainer's loss (``training.loss.model_loss``: yours, else chunked cross-entropy).
+    ``--compile`` compiles the units only: the loss's ops are traced unfusable, unless the loss
+    is a ``torch.compile``'d function of yours."""
+    if hasattr(plan.loss, "_torchdynamo_orig_callable"):
+        return model_loss(output, target, plan.loss, reduction)
+    with uncompiled():
+        loss = model_loss(output, target, plan.loss, reduction)
+    with contextlib.suppress(TypeError):  # an output of yours without logits: left as traced
+        uncompiled_backward(loss, logits_of(output))
+    return loss
 
 
 def train_step(

@@ -24,8 +24,9 @@ collectives, whose outputs the next op reads, sit on the critical path. Where th
 the kernels itself (a CPU: ``GPU.host_runs_kernels``), nothing overlaps: the step is every op's
 launch and run in turn.
 
-Under ``--compile``, each run of consecutive elementwise and reduction ops becomes one kernel
-that reads what the run takes from outside and writes what it does not consume itself.
+Under ``--compile``, each run of consecutive elementwise and reduction ops of the compiled units
+becomes one kernel that reads what the run takes from outside and writes what it does not
+consume itself; the loss's ops, which the per-unit compile leaves eager, stay as they are.
 
 The optimizer step runs when every gradient is reduced: fused Adam(W) reads and writes
 parameters, gradients and state once; other optimizers move the bytes of their per-tensor ops
