@@ -30,6 +30,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # three 2-rank launches: the README's test command stays under 15 minutes
 def test_three_launch_modes_train_identically(tmp_path):
     standalone = train(tmp_path, *RUN, "--nproc-per-node", "2", name="standalone")
     assert "Train Epoch: 1 \tLoss: " in standalone.stdout
