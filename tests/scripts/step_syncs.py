@@ -1,12 +1,11 @@
-"""Host reads of device values in each step of a real training run (gloo, CPU ranks).
+"""Host waits for the device in each step of a real training run (gloo, CPU ranks).
 
 The run is ``fsdp2lab train``'s own: its ``Trainer`` with the hooks a run gets
-(``session.build_hooks``), under a ``TorchDispatchMode`` that counts the ops which, on a GPU,
-make the host wait for the device: ``aten._local_scalar_dense`` (``.item()``, ``float()``,
-``bool()``), ``aten.nonzero``, copies from a device to the host; and ``Tensor.tolist`` and
-``Tensor.numpy`` (no dispatched op). Each step's count runs from the end of the previous step's
-hooks to the end of its own. Rank 0 prints one JSON line: ``{"steps": {step: count}, "logged":
-[steps that wrote a record]}``.
+(``session.build_hooks``), under ``device_reads.HostWaits``, which counts the calls that, on a
+GPU, make the host wait for the device (reads, ops sized by device values, blocking copies, host
+values given the device, synchronizes). Each step's count runs from the end of the previous step's
+hooks to the end of its own. Rank 0 prints one JSON line: ``{"steps": {step: count}, "kinds":
+{step: {kind: count}}, "logged": [steps that wrote a record]}``.
 
 torchrun --nproc-per-node N tests/scripts/step_syncs.py TRAIN_FLAGS...
 """
@@ -20,43 +19,15 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp2lab.cli import build_parser
 from fsdp2lab.config import config_from_args
 from fsdp2lab.runtime.distributed import Runtime, exit_process, pick_device
+from fsdp2lab.training.device_reads import HostWaits
 from fsdp2lab.training.hooks import Hooks
 from fsdp2lab.training.preemption import Preemption
 from fsdp2lab.training.session import build_hooks
 from fsdp2lab.training.trainer import Trainer
-
-READS = {"aten::_local_scalar_dense", "aten::nonzero"}
-
-
-class CountReads(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-        self.paused = False
-
-    def take(self) -> int:
-        """The count so far, which starts again from 0."""
-        count, self.count = self.count, 0
-        return count
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func._schema.name
-        if self.paused:
-            pass
-        elif name in READS:
-            self.count += 1
-        elif name in ("aten::_to_copy", "aten::copy_"):
-            src = args[1] if name == "aten::copy_" else args[0]
-            dst = kwargs.get("device") if name == "aten::_to_copy" else args[0].device
-            if isinstance(src, torch.Tensor) and src.device.type != "cpu" and dst is not None:
-                self.count += torch.device(dst).type == "cpu"
-        return func(*args, **kwargs)
 
 
 class PerStep(Hooks):
@@ -81,9 +52,9 @@ class PerStep(Hooks):
         self.current: int | None = None
 
     def _close(self) -> None:
-        tally = self.counter.take()
+        kinds = self.counter.take()
         if self.current is not None:
-            self.steps[self.current] = tally
+            self.steps[self.current] = kinds
 
     def after_step(self, trainer: Trainer) -> None:
         if trainer.logs_step(trainer.state.step):
@@ -96,23 +67,11 @@ class PerStep(Hooks):
                 torch.cuda.set_sync_debug_mode("default")
 
 
-def counting_host_reads(counter: CountReads) -> None:
-    """``Tensor.tolist`` and ``Tensor.numpy`` dispatch no op: count them too."""
-    for name in ("tolist", "numpy"):
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *args, _original=original, **kwargs):
-            counter.count += not counter.paused
-            return _original(self, *args, **kwargs)
-
-        setattr(torch.Tensor, name, counted)
-
-
 class HostLoader:
     """The trainer's loader, not counted: its tensors are on the host on every device (the
     trainer's move of each batch to the device is counted)."""
 
-    def __init__(self, loader, counter: CountReads):
+    def __init__(self, loader, counter: HostWaits):
         self.loader, self.counter = loader, counter
 
     def __iter__(self):
@@ -144,17 +103,17 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     runtime = Runtime(rank, world, local_rank, device, backend)
-    counter = CountReads()
+    counter = HostWaits(device)
     preemption = Preemption(runtime, None)  # its per-step agreement included
     trainer = Trainer(cfg, runtime, hooks=build_hooks(cfg, runtime, preemption=preemption))
     per_step = PerStep(counter, trainer)
     trainer.hooks.append(per_step)
     trainer.loader = HostLoader(trainer.loader, counter)
-    counting_host_reads(counter)
     with counter:
         trainer.fit()
     if rank == 0:
-        print(json.dumps({"steps": per_step.steps, "logged": per_step.logged}))
+        steps = {step: sum(kinds.values()) for step, kinds in per_step.steps.items()}
+        print(json.dumps({"steps": steps, "kinds": per_step.steps, "logged": per_step.logged}))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -165,6 +165,7 @@ def set_prefetch(units: list[nn.Module], depth: int) -> None:
 
 
 _REDUCE_EVERY = "_fsdp2lab_reduce_every_micro_batch"
+_GRADIENT_SYNC = "_fsdp2lab_gradient_sync"  # the value last set; FSDP2's own default is on
 
 
 def reduces_every_micro_batch(choice: str, dp_shard: int) -> bool:
@@ -179,14 +180,16 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     Reducing every micro-batch (torchtitan's choice), each backward reduce-scatters into the
     sharded gradients, and HSDP all-reduces them across replicas on the last only. Otherwise no
     collective runs before the last micro-batch, and each rank accumulates unsharded gradients.
+    FSDP2's setters walk every module: they run only where the value changes (not at all with
+    one micro-batch a step).
     """
-    if not isinstance(model, FSDPModule):
+    if not isinstance(model, FSDPModule) or getattr(model, _GRADIENT_SYNC, True) == enabled:
         return
-    if getattr(model, _REDUCE_EVERY, False):
-        model.set_requires_gradient_sync(True)
+    if getattr(model, _REDUCE_EVERY, False):  # gradient sync stays on (FSDP2's default)
         model.set_requires_all_reduce(enabled)
     else:
         model.set_requires_gradient_sync(enabled)
+    setattr(model, _GRADIENT_SYNC, enabled)
 
 
 def reshard_all(model: nn.Module) -> None:

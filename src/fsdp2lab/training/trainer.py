@@ -76,6 +76,8 @@ class Trainer:
             else None
         )
 
+        # Train mode, set once (a walk of every module): evaluation sets it back after its eval().
+        self.model.train()
         self.optimizer = build_optimizer(self.model.parameters(), cfg)
         self.scheduler, self.scheduler_unit = build_scheduler(self.optimizer, cfg, self.total_steps)
         self.scaler = (
@@ -166,7 +168,6 @@ class Trainer:
     def train_step(self, batches) -> tuple[torch.Tensor, int | torch.Tensor]:
         """One optimizer step over K micro-batches; returns (this rank's mean loss, its samples):
         0 when a hook dropped the update, a 0-dim tensor on the device where the device decides."""
-        self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         k = self.cfg.grad_accum_steps
         loss_sum = None
@@ -278,15 +279,21 @@ class Trainer:
         steps_left = self.sampler.steps_per_epoch - st.epoch_samples // self.plan.global_batch
         t0 = time.perf_counter()
         self.throughput.mark(st.samples_seen)
-        # This rank's summed loss and samples over the steps whose update ran (on the device).
+        # This rank's summed loss and samples over the steps whose update ran (on the device);
+        # the samples the host counted join them at the epoch's end (no copy to the device a step).
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        host_samples = 0
         for _ in range(steps_left):
             if self.done():
                 break
             loss, samples = self.train_step(batches)
-            kept = torch.as_tensor(samples, dtype=torch.float64, device=self.device)
-            step_totals = torch.stack([loss.double() * kept, kept])
-            totals += torch.where(kept > 0, step_totals, 0.0)  # a dropped step's NaN stays out
+            if isinstance(samples, torch.Tensor):  # the device decided whether the update ran
+                kept = samples.to(self.device, torch.float64)
+                step_totals = torch.stack([loss.double() * kept, kept])
+                totals += torch.where(kept > 0, step_totals, 0.0)  # a dropped step's NaN stays out
+            elif samples:  # 0: a hook dropped the update
+                totals[0] += loss.double() * samples
+                host_samples += samples
             st.step += 1
             st.samples_seen += self.plan.global_batch
             st.epoch_samples += self.plan.global_batch
@@ -297,6 +304,7 @@ class Trainer:
             self.records.poll()
         self.settle()
         epoch_time = time.perf_counter() - t0
+        totals[1] += host_samples
         total_loss, total_count = self._all_reduce_sum(totals)
         train_loss = total_loss / max(total_count, 1)
         log.info(f"Train Epoch: {st.epoch} \tLoss: {train_loss:.6f}")
