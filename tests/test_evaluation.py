@@ -55,10 +55,11 @@ def test_test_batch_size_default_is_resolved_in_the_plan(flags, world, want):
 
 def test_evaluation_memory_is_bounded_by_a_training_steps(tmp_path):
     """A Llama-3-sized vocabulary (128,256): the run's peak, a periodic and the epoch-end
-    evaluation included, stays within 10% of its training steps' peak before any evaluation
-    (measured: 4% above it; steps 3 and 4 alone reach that). The 8 test samples evaluated in one
-    batch, as the old default of 1000 did, hold 4x a step's logits (525 MB in fp32) and their
-    log-softmax: 1.54x the steps' peak."""
+    evaluation included, stays within 25% of its training steps' peak before any evaluation
+    (measured: 4% above it on a quiet machine, 10% with other tests running beside it: the peak
+    RSS moves with when the allocator's threads run; steps 3 and 4 alone reach that). The 8 test
+    samples evaluated in one batch, as the old default of 1000 did, hold 4x a step's logits
+    (525 MB in fp32) and their log-softmax: 1.54x the steps' peak."""
     run = train(
         tmp_path,
         *["--model", "gpt", "--vocab-size", "128256", "--d-model", "64", "--n-layers", "1"],
@@ -70,4 +71,4 @@ def test_evaluation_memory_is_bounded_by_a_training_steps(tmp_path):
     before_eval = [r["peak_memory_bytes"][0] for r in run.events("step") if r["step"] <= 2]
     assert len(before_eval) == 2
     peak = run.summary["peak_memory_bytes"][0]
-    assert peak <= 1.10 * max(before_eval), (peak, before_eval)
+    assert peak <= 1.25 * max(before_eval), (peak, before_eval)
