@@ -93,7 +93,7 @@ def test_plan_equals_real_step_gpt(gpt_runs, k):
 
 @pytest.fixture(scope="module")
 def llama_runs(tmp_path_factory) -> dict:
-    """A Llama from ``config.json`` alone at TP 1, 2 and 4."""
+    """A Llama from ``config.json`` alone at TP 1, 2 and 4, and with LoRA adapters."""
     transformers = pytest.importorskip("transformers")
     folder = tmp_path_factory.mktemp("flops") / "llama"
     transformers.LlamaConfig(
@@ -102,7 +102,7 @@ def llama_runs(tmp_path_factory) -> dict:
         tie_word_embeddings=False,
     ).save_pretrained(folder)  # fmt: skip
     model = [*TINY, "--model", f"hf:{folder}", "--seq-len", "16", "--batch-size", "2"]
-    return measured({k: [*model, *tp(k)] for k in KS})
+    return measured({**{k: [*model, *tp(k)] for k in KS}, "lora": [*model, "--lora-rank", "4"]})
 
 
 @pytest.mark.hf
@@ -111,3 +111,19 @@ def test_plan_equals_real_step_hf_llama(llama_runs, k):
     """A Llama from ``config.json`` alone, with the model's own TP plan."""
     flags, real = llama_runs[k]
     assert real == [planned_flops(4, flags)] * 4
+
+
+@pytest.mark.hf
+def test_plan_equals_real_step_lora(llama_runs, monkeypatch):
+    """LoRA: the plan simulates the fused adapters the step runs (their in-place ``addmm_``
+    among the matmuls) and no weight gradient for the frozen base."""
+    from fsdp2lab.models import lora_fused
+
+    calls = []
+    fused = lora_fused.LoraLinearFunction.apply
+    monkeypatch.setattr(
+        lora_fused.LoraLinearFunction, "apply", lambda *a: calls.append(1) or fused(*a)
+    )
+    flags, real = llama_runs["lora"]
+    assert real == [planned_flops(4, flags)] * 4
+    assert calls, "the plan simulated PEFT's unfused path"

@@ -29,6 +29,9 @@ from fsdp2lab.config import config_from_args
 from fsdp2lab.runtime.distributed import Runtime, exit_process, pick_device
 from fsdp2lab.training.trainer import Trainer
 
+# torch's formulas; addmm_ (the fused LoRA adapter's) as addmm
+FORMULAS = {**flop_registry, torch.ops.aten.addmm_: flop_registry[torch.ops.aten.addmm]}
+
 
 class LocalFlops(TorchDispatchMode):
     def __init__(self):
@@ -40,7 +43,7 @@ class LocalFlops(TorchDispatchMode):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented
         out = func(*args, **kwargs)
-        formula = flop_registry.get(func._overloadpacket)
+        formula = FORMULAS.get(func._overloadpacket)
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         if formula is not None and not any(isinstance(t, FakeTensor) for t in tensors):
             self.flops += formula(*args, **kwargs, out_val=out)

@@ -42,6 +42,9 @@ from fsdp2lab.runtime.distributed import Runtime, exit_process
 from fsdp2lab.training.session import build_hooks
 from fsdp2lab.training.trainer import Trainer
 
+# torch's formulas; addmm_ (the fused LoRA adapter's) as addmm
+FORMULAS = {**flop_registry, torch.ops.aten.addmm_: flop_registry[torch.ops.aten.addmm]}
+
 TORCH = Path(torch.__file__).parent
 SRC = Path(__file__).resolve().parents[2] / "src" / "fsdp2lab"
 TORCH_PARTS = {"distributed/fsdp": "fsdp2", "distributed/tensor": "dtensor", "optim": "optimizer"}
@@ -93,7 +96,7 @@ class CountOps(TorchDispatchMode):
         if not self.paused:
             part = part_of(traceback.extract_stack()[:-1])
             self.parts[part][func._schema.name] += 1
-            formula = flop_registry.get(func._overloadpacket)
+            formula = FORMULAS.get(func._overloadpacket)
             if formula is not None:
                 self.cost[part]["flops"] += formula(*args, **kwargs, out_val=out)
             if not func.is_view:

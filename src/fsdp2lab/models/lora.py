@@ -11,7 +11,8 @@ strategies shard the adapters with the layer that holds them (``fully_shard`` pe
 * :func:`lora_config` -- the ``peft.LoraConfig`` of ``cfg``: rank, alpha (default 2 x rank),
   dropout, the target module names (``--lora-targets``; default for a Hugging Face model: every
   linear module but the output head, e.g. ``q_proj,...,down_proj`` for Llama).
-* :func:`apply_lora` -- inject the adapters; every other parameter is frozen (no gradient, no
+* :func:`apply_lora` -- inject the adapters, each eligible adapted linear fused into one autograd
+  Function (:mod:`~fsdp2lab.models.lora_fused`); every other parameter is frozen (no gradient, no
   optimizer state) and cast to ``base_dtype`` if given. UsageError (one line) when PEFT is missing
   or the targets match no module (listing the model's linear modules).
 * :func:`init_adapters` -- PEFT's own adapter init (A: kaiming uniform, B: zeros), seeded per
@@ -108,12 +109,16 @@ def lora_config(cfg, model: nn.Module):
 def apply_lora(model: nn.Module, cfg, base_dtype: torch.dtype | None = None) -> nn.Module:
     """Inject LoRA adapters into ``model`` in place (on its device: meta for the plan's model) and
     return it: adapters fp32 and trainable, everything else frozen, floating-point base tensors
-    in ``base_dtype`` (None: as they are)."""
+    in ``base_dtype`` (None: as they are); each eligible adapted linear runs one fused autograd
+    Function (:mod:`~fsdp2lab.models.lora_fused`)."""
     peft = _peft()
+    from fsdp2lab.models.lora_fused import fuse
+
     config = lora_config(cfg, model)
     device = next(model.parameters()).device
     with torch.device(device):
         model = peft.inject_adapter_in_model(config, model, low_cpu_mem_usage=device.type == "meta")
+    fuse(model)
     for name, param in model.named_parameters():
         adapter = is_adapter(name)
         param.requires_grad_(adapter)

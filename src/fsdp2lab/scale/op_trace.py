@@ -18,7 +18,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 aten = torch.ops.aten
 
-MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
+MATMULS = {aten.mm, aten.addmm, aten.addmm_, aten.bmm, aten.baddbmm}  # addmm_: fused LoRA
 # Collectives are recorded by :meth:`OpTrace.collective`; the others launch no GPU kernel.
 SKIPPED_NAMESPACES = ("c10d", "_c10d_functional", "prim", "profiler")
 # FSDP2's copies into its all-gather and reduce-scatter buffers, run on their side streams.
@@ -119,7 +119,11 @@ def nbytes(value) -> int:
 
 
 def _mnk(func, args) -> tuple[int, int, int]:
-    a, b = (args[1], args[2]) if func._overloadpacket in (aten.addmm, aten.baddbmm) else args[:2]
+    a, b = (
+        (args[1], args[2])
+        if func._overloadpacket in (aten.addmm, aten.addmm_, aten.baddbmm)
+        else args[:2]
+    )
     batch = a.shape[0] if a.dim() == 3 else 1
     return batch * a.shape[-2], b.shape[-1], a.shape[-1]
 

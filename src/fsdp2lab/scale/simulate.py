@@ -69,6 +69,8 @@ from fsdp2lab.training.loss import model_loss
 from fsdp2lab.training.metrics import state_bytes
 from fsdp2lab.training.optim import build_optimizer
 
+# torch's FLOP formulas; the fused LoRA adapter's in-place addmm_ counts as addmm does.
+FLOP_FORMULAS = {**flop_registry, torch.ops.aten.addmm_: flop_registry[torch.ops.aten.addmm]}
 # FSDPMemTracker's categories, under the names a plan reports.
 CATEGORIES = {
     "Sharded Param": "params",
@@ -227,7 +229,7 @@ class StepCounter(SeesShapeInference, TorchDispatchMode):
             return NotImplemented  # DTensor runs it on its local shards, counted then
         out = func(*args, **kwargs)
         inferring = self._inferring()
-        formula = flop_registry.get(func._overloadpacket)
+        formula = FLOP_FORMULAS.get(func._overloadpacket)
         flops = formula(*args, **kwargs, out_val=out) if formula and not inferring else 0
         self.flops += flops
         namespace, _, name = func._schema.name.partition("::")
