@@ -95,3 +95,14 @@ def test_cpu_time_check_prints_the_plan_beside_the_real_step(tmp_path):
     assert plan["step"] == pytest.approx(sum(plan[k] for k in parts))  # nothing overlaps
     assert plan["launch"] > 0 and result["real_step_ms"][row][0] > 0, line
     assert result["profiled"][row]["step"] > 0, line
+
+
+@pytest.mark.slow  # three 2-rank launches
+def test_cpu_speed_prints_the_ratios_to_ddp():
+    """scripts/cpu_speed.py at a tiny size: each strategy's time per step and the ratios to DDP."""
+    out = _run(str(SCRIPTS / "cpu_speed.py"), "--repeats", "1", "--steps", "4", "--log-every",
+               "1", "--d-model", "32", "--n-layers", "2", "--no-to-90")  # fmt: skip
+    for name in ("ddp", "fsdp2", "per-block"):
+        assert re.search(rf"^  {name} +[\d.]+ \([\d.]+-[\d.]+\)$", out, re.M), out
+    for name in ("fsdp2", "per-block"):
+        assert re.search(rf"^  {name}/ddp +\d\.\d{{3}} \(", out, re.M), out
