@@ -20,7 +20,7 @@ import re
 NO_GPU = "no CUDA device (torch.cuda.is_available() is False)"
 # The package of each extra whose absence may skip a test, and the marker of the stage installing it.
 # torchao (the qlora extra) is installed by the hf stage, whose tests also need PEFT for LoRA.
-EXTRA_STAGES = {"transformers": "hf", "pyarrow": "hf", "torchao": "hf"}
+EXTRA_STAGES = {"transformers": "hf", "pyarrow": "hf", "torchao": "hf", "peft": "hf"}
 
 
 def fewer_gpus(needed: int, here: int) -> str:

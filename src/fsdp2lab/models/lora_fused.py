@@ -30,8 +30,6 @@ import torch.nn as nn
 from peft.tuners.lora import Linear as PeftLinear
 from torch._subclasses.fake_tensor import FakeTensor
 
-from fsdp2lab.models.lora import ADAPTER
-
 
 def _dense(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``weight`` as a plain tensor of ``dtype`` (an NF4 weight dequantized)."""
@@ -92,11 +90,15 @@ class FusedLoraLinear(PeftLinear):
     """PEFT's ``lora.Linear`` whose forward runs :class:`LoraLinearFunction` when it can (see the
     module docstring), else PEFT's own."""
 
+    def _adapter(self) -> str:
+        """The name of this layer's one adapter."""
+        return next(iter(self.lora_A))
+
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         fused = self._fused_operands(x) if not args and not kwargs else None
         if fused is None:
             return super().forward(x, *args, **kwargs)
-        return LoraLinearFunction.apply(*fused, self.scaling[ADAPTER])
+        return LoraLinearFunction.apply(*fused, self.scaling[self._adapter()])
 
     def _fused_operands(self, x: torch.Tensor):
         """``(x, weight, bias, A, B)`` cast as PEFT's path computes them, or None: not eligible
@@ -104,14 +106,14 @@ class FusedLoraLinear(PeftLinear):
         if (
             self.disable_adapters
             or self.merged
-            or self.active_adapters != [ADAPTER]
-            or not isinstance(self.lora_dropout[ADAPTER], nn.Identity)
+            or self.active_adapters != [self._adapter()]
+            or not isinstance(self.lora_dropout[self._adapter()], nn.Identity)
             or self.lora_variant
         ):
             return None
         base = self.base_layer
         weight, bias = base.weight, base.bias
-        lora_a, lora_b = self.lora_A[ADAPTER].weight, self.lora_B[ADAPTER].weight
+        lora_a, lora_b = self.lora_A[self._adapter()].weight, self.lora_B[self._adapter()].weight
         nf4 = _nf4_type() if not _plain(weight) else None
         if (
             not _plain(x, bias, lora_a, lora_b)
@@ -139,10 +141,10 @@ def _statically_eligible(module: nn.Module) -> bool:
         type(module) is PeftLinear
         and isinstance(module.base_layer, nn.Linear)
         and not module.fan_in_fan_out
-        and list(module.lora_A) == [ADAPTER]
-        and isinstance(module.lora_dropout[ADAPTER], nn.Identity)
+        and len(module.lora_A) == 1
+        and isinstance(module.lora_dropout[next(iter(module.lora_A))], nn.Identity)
         and not module.lora_variant
-        and not module.lora_bias[ADAPTER]
+        and not module.lora_bias[next(iter(module.lora_A))]
     )
 
 
