@@ -83,6 +83,16 @@ def _two_hosts(where: Path, max_steps: int) -> tuple[Run, str]:
     return Run(0, outputs[0], "", read_metrics(metrics)), outputs[1]
 
 
+def _tracebacks(output: str) -> list[str]:
+    """The tracebacks in a node's output, less torchrun's own exit-barrier race (pytorch#69520):
+    the agent that hosts the store may exit while another still waits at the exit barrier, which
+    logs "Error waiting on exit barrier" with a traceback after every worker finished; harmless,
+    and every node still exits 0 (``_two_hosts`` asserts that)."""
+    race = "Error waiting on exit barrier" in output
+    kept = [ln for ln in output.splitlines() if not (race and "elastic/agent/server/api.py" in ln)]
+    return [ln for ln in kept if "Traceback" in ln]
+
+
 def _losses(metrics: list[dict]) -> dict[int, float]:
     steps = [r["step"] for r in metrics if r["event"] == "step"]
     assert len(steps) == len(set(steps)), f"steps logged twice: {steps}"
@@ -99,7 +109,7 @@ def test_two_hosts_without_shared_memory_train_as_one_host(namespaces, tmp_path)
     two.mkdir()
     first, node1 = _two_hosts(two, max_steps=8)  # saves steps 4 and 8, then stops
     assert "fsdp2 on 2 rank(s)" in first.stdout
-    assert "Traceback" not in first.stdout + node1
+    assert _tracebacks(first.stdout) == _tracebacks(node1) == []
     assert sorted(p.name for p in (two / "ckpt").glob("step-*")) == ["step-4", "step-8"]
     left = [p.name for p in (two / "ckpt").glob(".*")]
     assert left == [".lock"], f"a temporary file was left behind: {left}"  # .lock: the flock
@@ -113,3 +123,12 @@ def test_two_hosts_without_shared_memory_train_as_one_host(namespaces, tmp_path)
     a = torch.load(two / "final.pt", weights_only=True)
     b = torch.load(one_host / "final.pt", weights_only=True)
     assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_only_torchruns_exit_barrier_race_is_forgiven():
+    api = "E1129 1 torch/distributed/elastic/agent/server/api.py:1007]"
+    race = f"{api} Error waiting on exit barrier.\n{api} Traceback (most recent call last):\n"
+    assert _tracebacks(race) == []
+    ours = "Traceback (most recent call last):\n  File fsdp2lab/training/trainer.py\n"
+    assert _tracebacks(race + ours) == ["Traceback (most recent call last):"]
+    assert _tracebacks(f"{api} Traceback (most recent call last):\n") != []  # no race, no pardon
