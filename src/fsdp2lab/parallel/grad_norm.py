@@ -114,6 +114,13 @@ def _device(parameters: list[torch.Tensor]) -> torch.device:
     return parameters[0].device if parameters else torch.device("cpu")
 
 
+def clip_divisor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What to divide every gradient by to clip their norm ``norm`` to ``max_norm``: the inverse of
+    the factor ``torch.nn.utils.clip_grads_with_norm_`` multiplies by, ``max(1, (norm + 1e-6) /
+    max_norm)``, on the device (no host read)."""
+    return ((norm.float() + 1e-6) / max_norm).clamp(min=1.0)
+
+
 def clip_grad_norm_(
     parameters,
     max_norm: float | None,

@@ -56,6 +56,7 @@ from fsdp2lab.models.hf import masks_decided_as_for_real_tensors
 from fsdp2lab.models.materialize import to_empty
 from fsdp2lab.models.spec import logits_of
 from fsdp2lab.parallel.fsdp2 import default_unit_min_params, reshard_all
+from fsdp2lab.parallel.grad_norm import clip_divisor
 from fsdp2lab.plan import RunPlan
 from fsdp2lab.runtime.mesh import build_mesh
 from fsdp2lab.runtime.torch_compat import (
@@ -67,7 +68,7 @@ from fsdp2lab.runtime.torch_compat import (
 from fsdp2lab.scale.op_trace import Op, OpTrace, nbytes, uncompiled, uncompiled_backward
 from fsdp2lab.training.loss import model_loss
 from fsdp2lab.training.metrics import state_bytes
-from fsdp2lab.training.optim import build_optimizer
+from fsdp2lab.training.optim import build_optimizer, clips_in_step
 
 # torch's FLOP formulas; the fused LoRA adapter's in-place addmm_ counts as addmm does.
 FLOP_FORMULAS = {**flop_registry, torch.ops.aten.addmm_: flop_registry[torch.ops.aten.addmm]}
@@ -368,8 +369,12 @@ def train_step(
                 loss = mean(_loss(plan, model(x), y))
                 loss.backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-    if plan.cfg.max_grad_norm is not None:
-        plan.strategy.clip_grad_norm(model, plan.cfg.max_grad_norm, loss_sum)
+    max_norm = plan.cfg.max_grad_norm
+    if max_norm is not None:  # as the trainer clips: the factor rides on a fused step
+        in_step = clips_in_step(optimizer)  # built fused; simulated unfused (``_unfused``)
+        norm, _ = plan.strategy.clip_grad_norm(model, None if in_step else max_norm, loss_sum)
+        if in_step:  # the factor's own ops; the fused kernel divides as it reads the gradients
+            clip_divisor(norm, max_norm)
     optimizer.step()
 
 

@@ -99,12 +99,12 @@ class NanGuard(Hooks):
 
     def before_optimizer_step(self, trainer: Trainer, loss: torch.Tensor) -> bool | torch.Tensor:
         device = trainer.device
-        grads = [] if trainer.scaler else [p.grad for p in trainer.model.parameters()]
         if trainer.step_loss_verdict is not None:  # every rank's loss rode on the norm's all-reduce
             verdict = trainer.step_loss_verdict.float()
             grad_flag = (~torch.isfinite(trainer.last_grad_norm)).float().to(verdict.device)
             flags = torch.stack([verdict, grad_flag])
         else:
+            grads = [] if trainer.scaler else [p.grad for p in trainer.model.parameters()]
             flags = _nonfinite([[loss], grads], device)
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX)

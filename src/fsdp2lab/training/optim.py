@@ -22,22 +22,37 @@ def build_optimizer(params, cfg: TrainConfig, local_step: bool = True) -> torch.
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` can drop its update by a flag on the device, with no host read:
-    torch's fused implementations read ``found_inf`` (as a GradScaler sets it) in their kernel."""
+    """Whether ``optimizer`` can drop its update by a flag on the device, with no host read, and
+    divide its gradients inside its own kernel: torch's fused implementations read ``found_inf``
+    and ``grad_scale`` (as a GradScaler sets them) in their kernel."""
     return bool(optimizer.defaults.get("fused"))
 
 
-def step(optimizer: torch.optim.Optimizer, dropped: torch.Tensor | None = None) -> None:
+def clips_in_step(optimizer: torch.optim.Optimizer, scaler=None) -> bool:
+    """Whether gradient clipping can ride on the optimizer step (``grad_divisor`` of
+    :func:`step`) instead of a pass of its own over the gradients: a fused step that no GradScaler
+    owns (a scaler divides by its own scale)."""
+    return scaler is None and skips_on_device(optimizer)
+
+
+def step(
+    optimizer: torch.optim.Optimizer,
+    dropped: torch.Tensor | None = None,
+    grad_divisor: torch.Tensor | None = None,
+) -> None:
     """``optimizer.step()``; where ``dropped`` (a 0-dim 1.0/0.0 tensor) is 1.0 the update, the
-    optimizer's own step count included, is dropped on the device (``skips_on_device``)."""
-    if dropped is None:
-        optimizer.step()
-        return
-    optimizer.found_inf = dropped.float()
+    optimizer's own step count included, is dropped on the device (``skips_on_device``); every
+    gradient is divided by ``grad_divisor`` (a 0-dim tensor) as the fused kernel reads it
+    (``clips_in_step``: clipping with no pass of its own)."""
+    given = {"found_inf": dropped, "grad_scale": grad_divisor}
+    given = {name: value.float() for name, value in given.items() if value is not None}
+    for name, value in given.items():
+        setattr(optimizer, name, value)
     try:
         optimizer.step()
     finally:
-        del optimizer.found_inf
+        for name in given:
+            delattr(optimizer, name)
 
 
 def _optimizer(params: list, cfg: TrainConfig) -> torch.optim.Optimizer:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.data import loader as data_loader
 from fsdp2lab.data.sampler import DistributedBatchSampler
+from fsdp2lab.parallel.grad_norm import clip_divisor
 from fsdp2lab.parallel.pp import Pipeline
 from fsdp2lab.parallel.precision import DTYPES
 from fsdp2lab.parallel.strategies import build_model
@@ -28,7 +29,7 @@ from fsdp2lab.training import evaluation
 from fsdp2lab.training import metrics as m
 from fsdp2lab.training.hooks import Hooks, StopTraining, TrainState
 from fsdp2lab.training.loss import model_loss
-from fsdp2lab.training.optim import build_optimizer, build_scheduler
+from fsdp2lab.training.optim import build_optimizer, build_scheduler, clips_in_step
 from fsdp2lab.training.optim import step as optimizer_step
 from fsdp2lab.training.profiler import DATA_RANGE
 from fsdp2lab.training.step_records import StepRecords
@@ -195,12 +196,15 @@ class Trainer:
             self.scaler.unscale_(self.optimizer)
         log_step = self.logs_step(self.state.step + 1)
         self.step_loss_verdict = None  # whether the loss was finite on every rank, as the norm says
-        if self.cfg.max_grad_norm is not None or log_step:
+        max_norm = self.cfg.max_grad_norm
+        # A fused step divides the gradients by the clip factor as it reads them: no pass of its own.
+        clip_in_step = max_norm is not None and clips_in_step(self.optimizer, self.scaler)
+        if max_norm is not None or log_step:
             # The loss rides on the norm's all-reduce (where it has one over every rank), so the
             # NaN guard needs no collective of its own; not under fp16, whose scaler owns infs.
             flag = loss_sum if self.scaler is None else None
             self.last_grad_norm, self.step_loss_verdict = self.plan.strategy.clip_grad_norm(
-                self.model, self.cfg.max_grad_norm, flag
+                self.model, None if clip_in_step else max_norm, flag
             )
         drops = [hook.before_optimizer_step(self, loss_sum) for hook in self.hooks]
         if any(drop is True for drop in drops):
@@ -214,7 +218,8 @@ class Trainer:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
-            optimizer_step(self.optimizer, dropped)
+            divisor = clip_divisor(self.last_grad_norm, max_norm) if clip_in_step else None
+            optimizer_step(self.optimizer, dropped, divisor)
         if self.scheduler_unit == "step":
             self.scheduler.step()
         return loss_sum, samples if dropped is None else samples * (1 - dropped)
