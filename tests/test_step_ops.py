@@ -34,12 +34,28 @@ BOUNDS = {"fsdp2": 40 * UNITS, "nan_guard": 20, "trainer": 16}
 RECORD_BOUNDS = {**BOUNDS, "grad_norm": 20, "step_records": 8, "device_reads": 4}
 
 
-@pytest.fixture(scope="module")
-def ops() -> dict:
-    proc = subprocess.run([sys.executable, str(SCRIPT), *MODEL], env=cli_env(),
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+# On 2 ranks, what FSDP2 may launch a step (views, allocations, profiler marks left out): each unit
+# all-gathers twice (forward, and again in backward after resharding), 3 ops each (copy-in, the
+# collective, copy-out), and reduce-scatters once, 4 ops (chunk-cat, the collective, the shard's
+# copy, the 1/N divide).
+FSDP2_LAUNCHES_PER_UNIT = 2 * 3 + 4
+
+
+def step_ops(*launcher: str) -> dict:
+    cmd = [sys.executable, *launcher, str(SCRIPT), *MODEL]
+    proc = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def ops() -> dict:
+    return step_ops()
+
+
+@pytest.fixture(scope="module")
+def ops_2_ranks() -> dict:
+    return step_ops("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
 
 
 def total(part: dict) -> int:
@@ -75,3 +91,19 @@ def test_every_extra_op_is_named_and_bounded(ops, which, bounds):
     assert set(extra) <= set(bounds), extra  # no op from an unnamed part (DTensor dispatch, ...)
     assert all(extra[part] <= bounds[part] for part in extra), extra
     assert extra["fsdp2"] > 0 and extra["nan_guard"] > 0  # the parts are seen at all
+
+
+@pytest.mark.parametrize("which", ["trainer", "trainer_record"])
+def test_on_2_ranks_a_rank_does_the_plain_loops_work_and_fsdp2_launches_10_ops_a_unit(
+    ops, ops_2_ranks, which
+):
+    """Each of 2 ranks runs the model, the loss and the optimizer as one process's plain loop
+    over its own micro-batch, and FSDP2 launches at most ``FSDP2_LAUNCHES_PER_UNIT`` ops per unit."""
+    step, alone = ops_2_ranks[which], ops[which]
+    assert all(step[part] == alone[part] for part in ("forward", "backward", "loss", "optimizer"))
+    launches = {part: c["launches"] for part, c in step["cost"].items()
+                if part not in ("forward", "backward", "loss", "optimizer")}  # fmt: skip
+    assert 0 < launches.pop("fsdp2") <= FSDP2_LAUNCHES_PER_UNIT * UNITS
+    bounds = RECORD_BOUNDS if which == "trainer_record" else BOUNDS
+    assert set(launches) <= set(bounds), launches
+    assert all(launches[part] <= bounds[part] for part in launches), launches

@@ -1,6 +1,7 @@
 """The ops a training step dispatches: fsdp2lab's ``Trainer.train_step`` (with the hooks a run
 gets) against the plain loop a user writes over the same model (forward, ``F.cross_entropy``,
-backward, fused AdamW, ``zero_grad``), one CPU rank.
+backward, fused AdamW, ``zero_grad``), one CPU rank; under torchrun, the trainer's on each rank
+(no plain loop: a rank's plain loop is one process's over its own micro-batch).
 
 A ``TorchDispatchMode`` sees every op at the top of the dispatcher (a DTensor op once, as itself)
 and files it under the part of the step that issued it: ``backward`` (inside autograd's engine,
@@ -12,9 +13,10 @@ host is left out (``step_syncs.HostLoader``). The plain loop runs two steps (the
 made), then one counted; the trainer runs ``fit`` over 5 steps with a record every 4, counted
 per step as ``step_syncs.PerStep`` does: step 3 writes no record, step 4 does. Prints one JSON
 line: ``{"plain": {part: {op: n}, "cost": {part: {"flops": n, "bytes": n}}}, "trainer": {...},
-"trainer_record": {...}}``.
+"trainer_record": {...}, "params": the model's parameter count}`` (rank 0's).
 
 python tests/scripts/step_ops.py TRAIN_FLAGS...
+torchrun --nproc-per-node 2 tests/scripts/step_ops.py TRAIN_FLAGS...
 """
 
 from __future__ import annotations
@@ -77,9 +79,20 @@ def _bytes(value) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+ALLOCATIONS = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty"}
+
+
+def launches_work(func) -> bool:
+    """Whether ``func`` (not a view) would launch work on a GPU: not a profiler marker or an
+    allocation."""
+    name = func._schema.name
+    return not name.startswith("profiler::") and name not in ALLOCATIONS
+
+
 class CountOps(TorchDispatchMode):
-    """Ops by part, with each part's FLOPs (torch's own formulas, ``flop_registry``) and bytes
-    moved (every tensor an op reads and writes, once; views move none)."""
+    """Ops by part, with each part's FLOPs (torch's own formulas, ``flop_registry``), bytes
+    moved (every tensor an op reads and writes, once; views move none) and ops that would launch
+    work on a GPU (``launches_work``)."""
 
     def __init__(self):
         super().__init__()
@@ -101,12 +114,15 @@ class CountOps(TorchDispatchMode):
                 self.cost[part]["flops"] += formula(*args, **kwargs, out_val=out)
             if not func.is_view:
                 self.cost[part]["bytes"] += _bytes((args, kwargs)) + _bytes(out)
+                if launches_work(func):
+                    self.cost[part]["launches"] += 1
         return out
 
     def take(self) -> dict:
         """The ops so far by part (and each part's ``cost``), which start again from none."""
         ops = {part: dict(counts) for part, counts in sorted(self.parts.items())}
-        cost = {part: {"flops": c["flops"], "bytes": c["bytes"]} for part, c in self.cost.items()}
+        keys = ("flops", "bytes", "launches")
+        cost = {part: {k: c[k] for k in keys} for part, c in self.cost.items()}
         self._reset()
         return {**ops, "cost": dict(sorted(cost.items()))}
 
@@ -136,15 +152,21 @@ def main() -> None:
     plain_cfg = config_from_args(parser.parse_args(["train", *flags, "--strategy", "single"]))
     counter = CountOps()
     with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)
-        runtime = Runtime(0, 1, 0, torch.device("cpu"), "gloo")
-        plain = plain_loop(Trainer(plain_cfg, runtime), counter)
-        with counter:
-            for _ in range(2):
+        if "WORLD_SIZE" in os.environ:  # under torchrun: its ranks
+            dist.init_process_group("gloo")
+        else:
+            dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        runtime = Runtime(rank, world, rank, torch.device("cpu"), "gloo")
+        result = {}
+        if world == 1:  # the plain loop of one process: a rank's own ops are the same
+            plain = plain_loop(Trainer(plain_cfg, runtime), counter)
+            with counter:
+                for _ in range(2):
+                    plain()
+                counter.take()
                 plain()
-            counter.take()
-            plain()
-        result = {"plain": counter.take()}
+            result["plain"] = counter.take()
         trainer = Trainer(cfg, runtime, hooks=build_hooks(cfg, runtime))
         per_step = PerStep(counter, trainer)
         trainer.hooks.append(per_step)
@@ -152,7 +174,9 @@ def main() -> None:
         with counter:
             trainer.fit()
         result["trainer"], result["trainer_record"] = per_step.steps[3], per_step.steps[4]
-        print(json.dumps(result))
+        result["params"] = sum(p.numel() for p in trainer.model.parameters())  # whole, not shards
+        if rank == 0:
+            print(json.dumps(result))
         dist.destroy_process_group()
 
 
