@@ -133,6 +133,8 @@ def save_hf(
     flags = run.get("config") or {}
     adapter = flags.get("lora_rank") is not None and not flags.get("merge")
     if flags.get("lora_rank") is not None and flags.get("merge"):
+        if flags.get("quantize_base"):
+            state = with_source_weights(state, run["hf_source"])
         state = merged_state(model, state)
     if adapter:  # the adapters alone, under PEFT's names
         config, names = _peft_names(run)
@@ -207,6 +209,39 @@ def _then(written: Future, finish, tmp: Path) -> Future:
 
     threading.Thread(target=complete, name="fsdp2lab-save-hf", daemon=True).start()
     return result
+
+
+def with_source_weights(state: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+    """``state`` with each NF4 weight (a QLoRA run's base) replaced by the source folder's, laid
+    out alike (each rank reads its own slice, in the weight's dtype): ``--merge`` adds the
+    adapters to the weights the model was loaded from, not to their NF4 rounding."""
+    from torch.distributed.tensor import DTensor
+
+    from fsdp2lab.models.hf_weights import WeightIndex, base_key
+    from fsdp2lab.runtime.torch_compat import local_shape_and_offset, local_tensor, torchao_nf4
+
+    nf4, _ = torchao_nf4()  # a QLoRA run has torchao (checked before launch)
+    out, targets = dict(state), {}
+    for name, t in state.items():
+        local = local_tensor(t) if isinstance(t, DTensor) else t
+        if not isinstance(local, nf4):
+            continue
+        if isinstance(t, DTensor):
+            shape, _ = local_shape_and_offset(t)
+            empty = torch.empty(shape, dtype=t.dtype, device=local.device)
+            fresh = DTensor.from_local(
+                empty, t.device_mesh, t.placements, shape=t.shape, stride=_contiguous(t.shape)
+            )
+        else:
+            fresh = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        targets[base_key(name)] = out[name] = fresh
+    WeightIndex.read(Path(source)).read_slices(targets)
+    return out
+
+
+def _contiguous(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    return torch.empty(shape, device="meta").stride()
 
 
 def merged_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -45,7 +45,7 @@ from fsdp2lab.runtime import faults, logs
 from fsdp2lab.runtime.distributed import Runtime, new_io_group, on_rank0
 from fsdp2lab.runtime.torch_compat import SafeFileSystemReader, SafeLoadPlanner
 from fsdp2lab.training.hooks import Hooks
-from fsdp2lab.training.nan_guard import all_finite
+from fsdp2lab.training.nan_guard import trained_weights_finite
 
 if TYPE_CHECKING:
     from fsdp2lab.training.trainer import Trainer
@@ -186,7 +186,7 @@ class CheckpointManager(Hooks):
         if layout.is_complete(path):
             log.info(f"fsdp2lab: checkpoint: {path} already exists; not saved again")
             return
-        if not all_finite(trainer.model.parameters(), trainer.device):
+        if not trained_weights_finite(trainer.model, trainer.device):
             if self.runtime.is_main:
                 log.warning(f"fsdp2lab: checkpoint: {path} not saved: non-finite weights")
             return

@@ -27,7 +27,7 @@ from fsdp2lab.errors import TrainingFailed
 from fsdp2lab.runtime import logs
 from fsdp2lab.runtime.distributed import Runtime, new_io_group
 from fsdp2lab.training.hooks import Hooks
-from fsdp2lab.training.nan_guard import all_finite
+from fsdp2lab.training.nan_guard import trained_weights_finite
 
 if TYPE_CHECKING:
     from fsdp2lab.training.trainer import Trainer
@@ -50,6 +50,8 @@ class SaveHF(Hooks):
         self.failed: str | None = None
         adapter = cfg.lora_rank is not None and not cfg.merge
         self.what = "PEFT adapter" if adapter else "Hugging Face model"
+        if cfg.quantize_base and cfg.merge:
+            self.what += " (adapters merged into the source folder's weights, not the NF4 ones)"
 
     def before_fit(self, trainer: Trainer) -> None:
         plan = trainer.plan  # the folder was checked with the plan
@@ -78,7 +80,7 @@ class SaveHF(Hooks):
         self._wait()
         trainer.settle()  # the NaN guard's verdicts up to this step first
         self.saved_step = step
-        if not all_finite(trainer.model.parameters(), trainer.device):
+        if not trained_weights_finite(trainer.model, trainer.device):
             self.failed = "non-finite weights"
             if self.runtime.is_main:
                 log.warning(

@@ -87,6 +87,12 @@ def all_finite(tensors, device: torch.device) -> bool:
     return not _on_any_rank(_nonfinite([list(tensors)], device))[0]
 
 
+def trained_weights_finite(model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether every parameter that trains is finite on every rank (a collective). A frozen base
+    (LoRA's; QLoRA's NF4, which has no norm) never changes, so it is not read."""
+    return all_finite((p for p in model.parameters() if p.requires_grad), device)
+
+
 class NanGuard(Hooks):
     # Verdicts are sent to the host at least this often (bounded memory), and at step records.
     SEND_EVERY = 100
