@@ -24,7 +24,8 @@ tests/test_offload_devices.py.
 - ``hf:`` folders load bit for bit onto the GPU; evaluating a 128256-token vocabulary takes no
   more memory than a training step.
 - NCCL: FSDP2 on 2 GPUs and TP 2 follow one GPU, TP 2 with ``--cpu-offload`` and clipping
-  equals TP 2 without it; HSDP 2x2 on 4.
+  equals TP 2 without it; QLoRA with ``--cpu-offload`` and with ``--compile`` follows plain QLoRA
+  on 2 GPUs; HSDP 2x2 on 4.
 - scripts/gpu_table.py (the table in docs/speed.md, here with 4 of the 16 layers): fsdp2lab's
   FSDP2 makes >= 0.97x the tokens/s of the plain loop with fused AdamW in the same run (a strict
   xfail: 0.93x measured on an H200), and the plan's tracked peak is within 3% of the allocator's
@@ -316,6 +317,22 @@ def test_cpu_offload_with_tp_on_two_gpus_equals_no_offload(tmp_path):
     offload = train(tmp_path, *flags, "--cpu-offload", name="offload")
     assert_close_lists(offload.step_losses, plain.step_losses, 1e-5)
     assert_close_lists(column(offload, "grad_norm"), column(plain, "grad_norm"), 1e-5)
+
+
+@needs(2)
+def test_qlora_cpu_offload_and_compile_on_two_gpus_follow_the_plain_qlora_run(tmp_path):
+    """NF4 shards pinned on the host and copied to each GPU to be all-gathered; compiled units
+    with NF4 weights (torchao under inductor, Triton)."""
+    pytest.importorskip("torchao")
+    pytest.importorskip("peft")
+    from test_qlora_layouts import QLORA
+
+    flags = [*QLORA, *CUDA]
+    plain = train(tmp_path, *flags, name="plain")
+    offload = train(tmp_path, *flags, "--cpu-offload", name="offload")
+    assert_close_lists(offload.step_losses, plain.step_losses, 1e-5)
+    compiled = train(tmp_path, *flags, "--compile", name="compiled")
+    assert_close_lists(compiled.step_losses, plain.step_losses, 1e-3)
 
 
 @needs(4)

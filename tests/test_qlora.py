@@ -107,8 +107,6 @@ def plan(**flags):
         ({"pp": 2}, "--pp"),
         ({"ckpt_dir": "ck"}, "--ckpt-dir"),
         ({"save_model": "m.pt"}, "--save-model"),
-        ({"compile": True}, "--compile"),
-        ({"cpu_offload": True}, "--cpu-offload"),
     ],
 )
 def test_refuses_what_it_does_not_support_yet(flags, named):

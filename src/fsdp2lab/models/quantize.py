@@ -13,7 +13,7 @@ computes with the whole tensor's quantization.
 
 * :func:`check` -- what ``--quantize-base`` refuses before any worker starts (one line): other
   strategies than ``fsdp2`` (HSDP too) and ``single``, ``--tp``, ``--pp``, checkpoints,
-  ``--save-model``, ``--compile``, ``--cpu-offload``.
+  ``--save-model``.
 * :func:`check_sizes` -- each quantized weight splits into whole NF4 blocks on every shard.
 * :func:`base_linears` -- the linear modules whose weights become NF4.
 * :func:`after_load` -- a ``ModelSpec.load_weights`` that loads the base, then quantizes it.
@@ -34,8 +34,6 @@ VALUES_PER_SCALER_BLOCK = BLOCK * SCALER_BLOCK  # 16,384: what NF4 quantizes as 
 _NOT_YET = {
     "ckpt_dir": "--ckpt-dir (checkpoints and resume: the NF4 base is not rebuilt on resume)",
     "save_model": "--save-model",
-    "compile": "--compile",
-    "cpu_offload": "--cpu-offload",
 }
 STRATEGIES = ("fsdp2", "single")
 
