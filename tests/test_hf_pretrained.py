@@ -32,11 +32,14 @@ SIZE = 256
 COMMON = ["--seq-len", str(SEQ), "--synthetic-size", str(SIZE), "--progress", "off"]
 
 
-def save_llama(folder: Path, *, tied: bool, dtype=torch.float32, shard: str | None = "20KB"):
-    """A tiny Llama saved as ``save_pretrained`` writes it (several files and their index)."""
+def save_llama(
+    folder: Path, *, tied: bool, dtype=torch.float32, shard: str | None = "20KB", hidden: int = 32
+):
+    """A tiny Llama saved as ``save_pretrained`` writes it (several files and their index);
+    ``hidden`` 256 makes every projection split into whole NF4 blocks over 2 ranks (QLoRA)."""
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=300, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
         tie_word_embeddings=tied,
     )  # fmt: skip

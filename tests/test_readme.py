@@ -150,6 +150,9 @@ EXPECT: dict[str, tuple[list[str], list[str]]] = {
     "fsdp2lab ckpt export lora-ckpt my-adapter": (
         [r"exported \d+ tensors \([\d,]+ bytes\) of lora-ckpt/step-2 to my-adapter as a PEFT "
          r"adapter folder"], ["my-adapter/adapter_config.json", "my-adapter/adapter_model.safetensors"]),
+    "fsdp2lab train --model hf:my-llama --dataset tokens:corpus-tokens --tokenizer my-llama --seq-len 128 --nproc-per-node 2 --lora-rank 4 --quantize-base nf4 --save-hf my-qlora-adapter": (
+        [r"on 2 rank\(s\)", TRAINED, r"fsdp2lab: PEFT adapter saved to my-qlora-adapter at step 2 \("],
+        ["my-qlora-adapter/adapter_config.json", "my-qlora-adapter/adapter_model.safetensors"]),
     "fsdp2lab ckpt export lora-ckpt my-llama-merged --merge": (
         [r"to my-llama-merged as the base model with the adapters merged in"],
         ["my-llama-merged/config.json", "my-llama-merged/*.safetensors",
@@ -308,7 +311,7 @@ def test_fine_tune_block_runs_as_written(workspace):
     from test_hf_pretrained import save_llama
     from test_hf_tokens import documents, make_tokenizer
 
-    make_tokenizer(save_llama(workspace / "my-llama", tied=True, shard=None))
+    make_tokenizer(save_llama(workspace / "my-llama", tied=True, shard=None, hidden=256))
     corpus = "".join(json.dumps({"text": d}) + "\n" for d in documents(4000, seed=3))
     (workspace / "corpus.jsonl").write_text(corpus)
     steps: dict[str, int] = {}
