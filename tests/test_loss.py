@@ -182,3 +182,57 @@ def test_vocabulary_parallel_cross_entropy_and_correct_are_the_whole_logits():
     for p in procs:
         p.join(30)
     assert got == {0: None, 1: None}, got
+
+
+class _Cost(TorchDispatchMode):
+    """Ops that would launch GPU work (no views or allocations), and the bytes they read and
+    write (every tensor argument and result, once)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view and "empty" not in func._schema.name:
+            self.ops.append(func._schema.name)
+            tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+            self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+        return out
+
+
+@pytest.mark.parametrize("chunks", [2, 4, 8])
+def test_a_steps_chunked_loss_launches_8_plus_6_ops_a_chunk_and_2_bytes_a_logit_over_torchs(chunks):
+    """The trainer's loss (bf16 logits, ``root``: backward starts at it): forward and backward at
+    most 8 + 6 x chunks ops, and at most 2 bytes per logit (plus a few per token) more than
+    ``F.cross_entropy`` on the upcast logits; backward hands the gradient on, no pass of its own."""
+    tokens, vocab = 64, 1000
+    logits = torch.randn(tokens, vocab).to(torch.bfloat16).requires_grad_()
+    target = torch.randint(0, vocab, (tokens,))
+    with _Cost() as ours:
+        loss.cross_entropy(logits, target, chunk_tokens=tokens // chunks, root=True).backward()
+    logits.grad = None
+    with _Cost() as plain:
+        F.cross_entropy(logits.float(), target).backward()
+    assert len(ours.ops) <= 8 + 6 * chunks, ours.ops
+    assert ours.bytes - plain.bytes <= 2 * tokens * vocab + 64 * tokens, ours.bytes - plain.bytes
+    assert "aten::mul_" not in ours.ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_micro_batchs_share_is_folded_in_and_rounded_once(dtype):
+    """``weight`` (1/K over K micro-batches) and ``root``: the loss and the gradient of
+    ``F.cross_entropy(...) * weight``, the gradient rounded to the logits' dtype once; without
+    ``root`` backward still scales by its incoming gradient (the control: x 3)."""
+    logits, target = logits_and_targets(dtype)
+    flat = logits.reshape(-1, logits.shape[-1]).float()
+    want = F.cross_entropy(flat, target.reshape(-1)) / 4
+    (want_grad,) = torch.autograd.grad(want, logits)
+    got = loss.cross_entropy(logits, target, chunk_tokens=8, weight=0.25, root=True)
+    (grad,) = torch.autograd.grad(got, logits)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(grad, want_grad, rtol=1.3e-6, atol=0)
+    scaled = loss.cross_entropy(logits, target, chunk_tokens=8, weight=0.25)
+    (grad3,) = torch.autograd.grad(scaled * 3, logits)
+    torch.testing.assert_close(grad3, want_grad * 3, rtol=2**-7, atol=0)

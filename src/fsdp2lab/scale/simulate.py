@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import gc
 import logging
 from collections import defaultdict
@@ -211,6 +212,13 @@ class StepCounter(SeesShapeInference, TorchDispatchMode):
                 for kind, c in kinds.items()}  # fmt: skip
         return len(self.trace.ops), self.flops, comm
 
+    def uncounted(self, make):
+        """``make()``, whose ops are left out of the counts (what it makes is still held)."""
+        start = len(self.trace.ops)
+        made = make()
+        del self.trace.ops[start:]
+        return made
+
     def repeat(self, mark: tuple, times: int) -> None:
         """Count what was dispatched since ``mark`` ``times`` more times."""
         start, flops, comm = mark
@@ -327,14 +335,14 @@ def _batch(plan: RunPlan, size: int | None = None) -> tuple[torch.Tensor, torch.
     return torch.randn(b, *spec.input_shape), torch.randint(0, classes, (b,))
 
 
-def _loss(plan: RunPlan, output, target, reduction: str = "mean") -> torch.Tensor:
-    """The trainer's loss (``training.loss.model_loss``: yours, else chunked cross-entropy).
-    ``--compile`` compiles the units only: the loss's ops are traced unfusable, unless the loss
-    is a ``torch.compile``'d function of yours."""
+def _loss(plan: RunPlan, output, target, reduction: str = "mean", **share) -> torch.Tensor:
+    """The trainer's loss (``training.loss.model_loss``: yours, else chunked cross-entropy; ``share``:
+    its ``weight`` and ``root``). ``--compile`` compiles the units only: the loss's ops are traced
+    unfusable, unless the loss is a ``torch.compile``'d function of yours."""
     if hasattr(plan.loss, "_torchdynamo_orig_callable"):
-        return model_loss(output, target, plan.loss, reduction)
+        return model_loss(output, target, plan.loss, reduction, **share)
     with uncompiled():
-        loss = model_loss(output, target, plan.loss, reduction)
+        loss = model_loss(output, target, plan.loss, reduction, **share)
     with contextlib.suppress(TypeError):  # an output of yours without logits: left as traced
         uncompiled_backward(loss, logits_of(output))
     return loss
@@ -351,22 +359,22 @@ def train_step(
     between the second and the last are counted, not run (:func:`alike_micro_batches`)."""
     optimizer.zero_grad(set_to_none=True)
     k = plan.cfg.grad_accum_steps
+    share = 1.0 / k  # a micro-batch's share of the step's mean loss
     loss_sum = None
-
-    def mean(loss: torch.Tensor) -> torch.Tensor:  # a micro-batch's share of the step's mean
-        return loss if k == 1 else loss / k
-
     for micro in alike_micro_batches(k, counts):
         x, y = batches()
         if pipeline is not None:
             loss = pipeline.train_step(
-                x, y, lambda out, target: mean(_loss(plan, out, target)), finalize=micro == k - 1
+                x,
+                y,
+                lambda out, target: _loss(plan, out, target, weight=share),
+                finalize=micro == k - 1,
             )
         else:
             if before_forward is not None:
                 before_forward()
             with plan.strategy.sync_context(model, micro == k - 1):
-                loss = mean(_loss(plan, model(x), y))
+                loss = _loss(plan, model(x), y, weight=share, root=True)  # no fp16 in plans
                 loss.backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
     max_norm = plan.cfg.max_grad_norm
@@ -774,10 +782,10 @@ def alike_micro_batches(k: int, counts=()) -> Iterator[int]:
 
 @contextlib.contextmanager
 def alike_loss_chunks(counter: StepCounter):
-    """The loss's chunks (``training.loss._each_chunk``) free what they make and are alike but
-    the last: run the first and the last, and count the first's ops, FLOPs and collectives once
-    more for each chunk between (``tests/test_simulate_chunks.py`` checks it against every chunk
-    run)."""
+    """The loss's chunks (``training.loss._each_chunk``) free what they make but their values,
+    and are alike but the last: run the first and the last, and count the first's ops, FLOPs and
+    collectives once more for each chunk between (whose values are held, uncounted) (``tests/test_simulate_chunks.py``
+    checks it against every chunk run)."""
     from fsdp2lab.training import loss
 
     every = loss._each_chunk
@@ -786,13 +794,15 @@ def alike_loss_chunks(counter: StepCounter):
         n = -(-tensors[0].shape[0] // chunk)
         if n <= 2:
             return every(step, chunk, *tensors)
-        total = torch.zeros((), dtype=torch.float32, device=tensors[0].device)
         pieces = list(zip(*(t.split(chunk) for t in tensors), strict=True))
+        # The values of the chunks between, held as every chunk's are: the first runs beside as
+        # many as the last full chunk does.
+        zero = functools.partial(torch.zeros, (), device=tensors[0].device)
+        between = counter.uncounted(lambda: [zero() for _ in range(n - 2)])
         mark = counter.mark()
-        total += step(*pieces[0])
+        first = step(*pieces[0])
         counter.repeat(mark, n - 2)
-        total += step(*pieces[-1])
-        return total
+        return torch.stack([first, *between, step(*pieces[-1])]).sum()
 
     loss._each_chunk = first_and_last
     try:

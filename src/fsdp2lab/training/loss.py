@@ -4,8 +4,11 @@ cross-entropy, computed over a bounded number of tokens' fp32 logits at a time.
 A language model's logits are tokens x vocabulary: upcast to fp32 whole, with the log-softmax
 autograd keeps, they are the largest tensors of a step (4 x 2048 tokens x 128,256 = 4.2 GB each).
 :func:`cross_entropy` upcasts ``chunk_tokens`` tokens' logits at a time and keeps none of them:
-each chunk's gradient is taken with its loss, in forward, and written into one gradient tensor of
-the logits' own dtype, which backward scales. Loss and gradients are ``F.cross_entropy``'s.
+each chunk's gradient is taken with its loss, in forward, and written straight into one gradient
+tensor of the logits' own dtype (one rounding). A micro-batch's share of the step (``weight``,
+1/K over K micro-batches) is folded into that gradient, and where backward starts at the loss
+(``root``: the trainer's ``loss.backward()``, whose seed is 1) backward hands the gradient on
+untouched: no pass over the logits of its own. Loss and gradients are ``F.cross_entropy``'s.
 
 Under tensor parallelism the head's logits are a DTensor sharded on the vocabulary (each rank
 holds V / tp columns): each chunk's cross-entropy is then torch's vocabulary-parallel one
@@ -45,13 +48,18 @@ def cross_entropy(
     target: torch.Tensor,
     reduction: str = "mean",
     chunk_tokens: int | None = None,
+    weight: float = 1.0,
+    root: bool = False,
 ) -> torch.Tensor:
-    """Cross-entropy of ``logits`` (..., V), any float dtype, against ``target`` (...), in fp32.
+    """Cross-entropy of ``logits`` (..., V), any float dtype, against ``target`` (...), in fp32,
+    times ``weight``.
 
     ``reduction``: "mean" (over the targets that are not ``IGNORE_INDEX``) or "sum". At most
     ``chunk_tokens`` (default :func:`chunk_tokens_for` V) tokens' logits are upcast at a time;
     with no more tokens than that it is ``F.cross_entropy`` on the fp32 logits. ``logits`` may be
     a DTensor sharded on the vocabulary over the tp mesh: the loss is then vocabulary-parallel.
+    ``root``: the caller's backward starts at the returned loss, with a gradient of 1 (a loss
+    scaler's or anything else's backward through it must leave it False).
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
@@ -60,10 +68,11 @@ def cross_entropy(
     flat, mesh = _rows(logits)
     flat_target = target.reshape(-1)
     if mesh is None and flat.shape[0] <= chunk:
-        return F.cross_entropy(flat.float(), flat_target, reduction=reduction)
+        whole = F.cross_entropy(flat.float(), flat_target, reduction=reduction)
+        return whole if weight == 1 else whole * weight
     needs_grad = torch.is_grad_enabled() and flat.requires_grad
     return _ChunkedCrossEntropy.apply(
-        flat, flat_target, reduction == "mean", chunk, mesh, needs_grad
+        flat, flat_target, reduction == "mean", chunk, mesh, needs_grad, weight, root
     )
 
 
@@ -85,14 +94,17 @@ def model_loss(
     target: torch.Tensor,
     user_loss: Callable[[Any, Any], torch.Tensor] | None = None,
     reduction: str = "mean",
+    weight: float = 1.0,
+    root: bool = False,
 ) -> torch.Tensor:
-    """The loss of a model's ``output``: ``user_loss(output, target)`` (a mean over the batch;
-    "sum" is that mean x ``target.numel()``) where given (``RunPlan.loss``), else
-    :func:`cross_entropy` of its logits."""
+    """The loss of a model's ``output`` times ``weight``: ``user_loss(output, target)`` (a mean
+    over the batch; "sum" is that mean x ``target.numel()``) where given (``RunPlan.loss``), else
+    :func:`cross_entropy` of its logits (``root``: see there)."""
     if user_loss is not None:
         mean = user_loss(_whole(output), target)
-        return mean if reduction == "mean" else mean * target.numel()
-    return cross_entropy(logits_of(output), target, reduction)
+        factor = weight * (1 if reduction == "mean" else target.numel())
+        return mean if factor == 1 else mean * factor
+    return cross_entropy(logits_of(output), target, reduction, weight=weight, root=root)
 
 
 def _whole(output: Any) -> Any:
@@ -138,22 +150,26 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     with ``mesh`` (the tp mesh) the logits are this rank's (N, V / tp) columns (:func:`_piece_sum`).
 
     The loss is a step's last op, so where the logits need a gradient each chunk's is taken in
-    forward, by ``F.cross_entropy``'s own backward right after its loss: one pass over every
-    chunk instead of a forward pass and a second one, recomputed, in backward. Backward then
-    scales that gradient by the incoming one, in place: with an upstream gradient other than 1
-    (1/K over K micro-batches) the gradient is rounded to the logits' dtype twice, within one
-    ulp of it. fp16 logits take the gradient in backward, already scaled: a loss scaler's factor
-    must come before the rounding to fp16, or the small gradients it is there for flush to zero.
+    forward, by ``F.cross_entropy``'s own backward right after its loss (of the fp32 chunk, with
+    ``weight`` folded in), and written into the gradient in the logits' dtype as it is copied:
+    one pass over every chunk instead of a forward pass and a second one, recomputed, in
+    backward. Backward hands that gradient on as it is where ``root`` says its incoming gradient
+    is 1; otherwise it scales it in place (rounded to the logits' dtype twice, within one ulp).
+    fp16 logits take the gradient in backward, already scaled: a loss scaler's factor must come
+    before the rounding to fp16, or the small gradients it is there for flush to zero.
     """
 
     @staticmethod
-    def forward(ctx, logits, target, mean: bool, chunk: int, mesh, needs_grad: bool):
+    def forward(
+        ctx, logits, target, mean: bool, chunk: int, mesh, needs_grad: bool, weight, root: bool
+    ):
         count = (target != IGNORE_INDEX).sum() if mean else None
-        ctx.chunk, ctx.mesh, ctx.count = chunk, mesh, count
+        ctx.chunk, ctx.mesh, ctx.count, ctx.weight = chunk, mesh, count, weight
         ctx.fused = needs_grad and logits.dtype != torch.float16
+        ctx.root = root and ctx.fused
         if ctx.fused:
             ctx.grad = torch.empty_like(logits)
-            scale = None if count is None else 1.0 / count
+            scale = _scale(count, weight)
             total = _sum_and_gradient(logits, target, chunk, mesh, scale, ctx.grad)
         else:
             ctx.save_for_backward(logits, target)
@@ -161,7 +177,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 total = _each_chunk(
                     lambda piece, t: _piece_sum(piece, t, mesh), chunk, logits, target
                 )
-        return total / count if mean else total
+        loss = total / count if mean else total
+        return loss if weight == 1 else loss * weight
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
@@ -171,14 +188,26 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                     "the chunked cross-entropy's gradient is taken in forward and scaled in "
                     "place: its backward runs once (no retain_graph=True through the loss)"
                 )
-            grad, ctx.grad = ctx.grad.mul_(grad_output), None
-            return grad, None, None, None, None, None
+            grad, ctx.grad = ctx.grad, None
+            if not ctx.root:
+                grad.mul_(grad_output)
+            return grad, *(None,) * 7
         logits, target = ctx.saved_tensors
         # As F.cross_entropy's mean: its backward scales by grad_output / count.
-        scale = grad_output if ctx.count is None else grad_output / ctx.count
+        scale = grad_output * ctx.weight if ctx.weight != 1 else grad_output
+        scale = scale if ctx.count is None else scale / ctx.count
         grad = torch.empty_like(logits)
         _sum_and_gradient(logits, target, ctx.chunk, ctx.mesh, scale, grad)
-        return grad, None, None, None, None, None
+        return grad, *(None,) * 7
+
+
+def _scale(count: torch.Tensor | None, weight: float) -> torch.Tensor | float | None:
+    """What each chunk's summed loss is multiplied by in its gradient: ``weight`` over the
+    mean's ``count``; None for 1."""
+    if count is None:
+        return None if weight == 1 else weight
+    share = count.reciprocal()
+    return share if weight == 1 else share * weight
 
 
 def _sum_and_gradient(logits, target, chunk: int, mesh, scale, grad: torch.Tensor) -> torch.Tensor:
@@ -187,20 +216,19 @@ def _sum_and_gradient(logits, target, chunk: int, mesh, scale, grad: torch.Tenso
 
     def step(piece: torch.Tensor, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         with torch.enable_grad(), _context(mesh):
-            piece = piece.detach().requires_grad_()
-            loss = _piece_sum(piece, t, mesh)
-            (piece_grad,) = torch.autograd.grad(loss, piece, scale)
-        out.copy_(piece_grad)
+            wide = piece.detach().float().requires_grad_()  # its gradient in fp32
+            loss = _piece_sum(wide, t, mesh)
+            (wide_grad,) = torch.autograd.grad(loss, wide, scale)
+        out.copy_(wide_grad)  # rounded to the logits' dtype once, as it is written
         return loss.detach()
 
     return _each_chunk(step, chunk, logits, target, grad)
 
 
 def _each_chunk(step: Callable, chunk: int, *tensors: torch.Tensor) -> torch.Tensor:
-    """The fp32 sum of ``step`` over ``tensors`` cut into ``chunk`` rows at a time. Every chunk
-    frees what it makes, and all but the last are alike: the plan's simulation runs the first
-    and the last, and counts the first's ops again for those between."""
-    total = torch.zeros((), dtype=torch.float32, device=tensors[0].device)
-    for pieces in zip(*(t.split(chunk) for t in tensors), strict=True):
-        total += step(*pieces)
-    return total
+    """The fp32 sum of ``step`` over ``tensors`` cut into ``chunk`` rows at a time (the chunks'
+    values summed once, at the end). Every chunk frees what it makes but its value, and all but
+    the last are alike: the plan's simulation runs the first and the last, and counts the first's
+    ops again for those between."""
+    sums = [step(*pieces) for pieces in zip(*(t.split(chunk) for t in tensors), strict=True)]
+    return sums[0] if len(sums) == 1 else torch.stack(sums).sum()

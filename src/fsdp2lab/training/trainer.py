@@ -134,15 +134,16 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _loss(
-        self, output: torch.Tensor, target: torch.Tensor, reduction: str = "mean"
+        self,
+        output: torch.Tensor,
+        target: torch.Tensor,
+        reduction: str = "mean",
+        weight: float = 1.0,
+        root: bool = False,
     ) -> torch.Tensor:
-        """The plan's loss (yours), else cross-entropy over chunks of tokens (``loss.py``)."""
-        return model_loss(output, target, self.plan.loss, reduction)
-
-    @staticmethod
-    def _mean(loss: torch.Tensor, k: int) -> torch.Tensor:
-        """A micro-batch's share of the step's mean loss (``loss`` itself for one micro-batch)."""
-        return loss if k == 1 else loss / k
+        """The plan's loss (yours), else cross-entropy over chunks of tokens (``loss.py``), times
+        ``weight``; ``root``: backward starts at it, with a gradient of 1."""
+        return model_loss(output, target, self.plan.loss, reduction, weight, root)
 
     def _to_device(self, batch):
         x, y = batch
@@ -171,6 +172,7 @@ class Trainer:
         0 when a hook dropped the update, a 0-dim tensor on the device where the device decides."""
         self.optimizer.zero_grad(set_to_none=True)
         k = self.cfg.grad_accum_steps
+        share = 1.0 / k  # a micro-batch's share of the step's mean loss
         loss_sum = None
         samples = 0
         for micro in range(k):
@@ -180,12 +182,13 @@ class Trainer:
                 loss = self.pipeline.train_step(
                     x,
                     y,
-                    lambda out, target: self._mean(self._loss(out, target), k),
+                    lambda out, target: self._loss(out, target, weight=share),
                     finalize=micro == k - 1,
                 )
             else:
                 with self.plan.strategy.sync_context(self.model, micro == k - 1), self._autocast():
-                    loss = self._mean(self._loss(self.model(x), y), k)
+                    root = self.scaler is None  # a scaler backpropagates from its scaled loss
+                    loss = self._loss(self.model(x), y, weight=share, root=root)
                     if self.scaler is not None:
                         self.scaler.scale(loss).backward()
                     else:
