@@ -1,22 +1,37 @@
 """``--quantize-base nf4`` (QLoRA): LoRA adapters on a frozen NF4 base, sharded by FSDP2.
 
 16 steps of a tiny gpt with QLoRA on FSDP2 (2 ranks, gloo, with activation checkpointing) and
-on HSDP (2 x 2) follow one process (``--strategy single``) within 1e-5; on every rank each decoder layer's linear weights are torchao NF4Tensors,
-frozen, without gradient or optimizer state, bit for bit the same after training; every adapter of
-every layer moved; the run's parameter bytes per rank are NF4's. What QLoRA does not support yet is refused in one line before any worker
-starts (exit code 2).
+on HSDP (2 x 2) follow one process (``--strategy single``) within 1e-5; on every rank each decoder
+layer's linear weights are torchao NF4Tensors, frozen, without gradient or optimizer state, bit for
+bit the same after training; every adapter of every layer moved; the run's parameter bytes per rank
+are NF4's.
+
+Checkpoints: the 2-rank run saves at step 8 (the adapters and their optimizer state, and the base's
+quantization record); resumed on 2 ranks, the loaded state is the saved one tensor by tensor and
+steps 9-16 are the straight run's bit for bit; with one optimizer row zeroed after loading (the
+negative control) both checks fail. Resumed in one process it stays within twice the gap so far
+between the 2-rank and the one-process straight runs (tests/scripts/resume_matrix.py). A record
+that differs (block sizes, seed, a quantized base against an unquantized one, both ways) is refused
+in one line, exit code 2.
+
+What QLoRA does not support yet (FSDP2 on one rank included) is refused in one line before any
+worker starts (exit code 2).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from conftest import assert_close_lists, cli_env, read_metrics, run_cli
+from conftest import assert_close_lists, cli_env, read_metrics, run_cli, run_variants
+from fsdp2lab.checkpoint import state as ckpt_state
+from fsdp2lab.checkpoint.layout import Checkpoint
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.errors import UsageError
 from fsdp2lab.models import quantize
@@ -105,7 +120,6 @@ def plan(**flags):
         ({"strategy": "fsdp1"}, "--strategy fsdp1"),
         ({"tp": 2}, "--tp"),
         ({"pp": 2}, "--pp"),
-        ({"ckpt_dir": "ck"}, "--ckpt-dir"),
         ({"save_model": "m.pt"}, "--save-model"),
     ],
 )
@@ -132,6 +146,19 @@ def test_cli_refusal_is_one_line_exit_2(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_fsdp2_must_shard_over_two_ranks_or_more():
+    """FSDP2's one-rank path would not all-gather NF4's parts: refused by the plan, which the CLI
+    resolves before any worker starts (one process, or HSDP 2 x 1)."""
+    message = (
+        r"^--quantize-base nf4 with --strategy fsdp2 needs 2 or more ranks to shard over \(FSDP2 "
+        r"on one rank does not gather NF4 weights\): on one process use --strategy single$"
+    )
+    for world_size, flags in ((1, {}), (2, {"dp_replicate": 2})):
+        with pytest.raises(UsageError, match=message):
+            resolve(TrainConfig(**{**GPT, **flags}), world_size, "cpu")
+    resolve(TrainConfig(**GPT, strategy="single"), 1, "cpu")
+
+
 def test_a_hf_llama_quantizes_its_layers_projections_only(tmp_path):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
@@ -147,3 +174,107 @@ def test_a_hf_llama_quantizes_its_layers_projections_only(tmp_path):
         f"model.layers.{i}.{p}.base_layer" for i in range(2) for p in projections
     ]
     assert run.strategy.materialize_first  # quantized whole, then sharded
+
+
+# ---------------------------------------------------------------------------- checkpoints
+SAVE_AT = 8
+
+
+@pytest.fixture(scope="module")
+def resumes(tmp_path_factory) -> Path:
+    """On 2 ranks: the straight run saving at step 8, its resume, and its resume with one
+    optimizer row zeroed after loading; in one process: the resume of that checkpoint."""
+    out = tmp_path_factory.mktemp("resume")
+    ckpt = str(out / "ckpt" / f"step-{SAVE_AT}")
+    resume = {"flags": ["--resume", ckpt], "check": ckpt}
+    saving = ["--ckpt-dir", str(out / "ckpt"), "--ckpt-every-steps", str(SAVE_AT)]
+    variants = {"straight": {"flags": saving}, "resumed": resume,
+                "mutated": {**resume, "mutate": "optim-row"}}  # fmt: skip
+    run_variants(out, 2, variants, FLAGS)
+    one = {"one-resumed": {**resume, "flags": [*resume["flags"], "--strategy", "single"]}}
+    run_variants(out, 1, one, FLAGS)
+    return out
+
+
+def step_losses(out: Path, name: str) -> list[float]:
+    return [r["loss"] for r in read_metrics(out / f"{name}.jsonl") if r["event"] == "step"]
+
+
+def state_reports(out: Path, name: str, ranks: int) -> list[dict]:
+    return [json.loads((out / f"{name}.state.rank{r}.json").read_text()) for r in range(ranks)]
+
+
+def test_checkpoint_holds_adapters_and_the_quantization_record(resumes):
+    marker = json.loads((resumes / "ckpt" / f"step-{SAVE_AT}" / "COMPLETE").read_text())
+    assert marker["quantized_base"] == {"scheme": "nf4", "block": 64, "scaler_block": 256,
+                                        "source": {"seed": TrainConfig().seed}}  # fmt: skip
+    (report, _) = state_reports(resumes, "resumed", 2)
+    model_keys = [k for k in report["expected"] if k.startswith("model.")]
+    assert len(model_keys) == 2 * 6 * LAYERS and all("lora_" in k for k in model_keys)
+
+
+def test_resume_is_exact_at_the_same_layout_and_a_changed_row_is_caught(resumes):
+    straight, resumed = step_losses(resumes, "straight"), step_losses(resumes, "resumed")
+    assert len(straight) == 16 and resumed == straight[SAVE_AT:]  # bit for bit
+    for report in state_reports(resumes, "resumed", 2):
+        assert report["mismatched"] == [] and set(report["expected"]) <= set(report["compared"])
+    assert step_losses(resumes, "mutated") != straight[SAVE_AT:]
+    for report in state_reports(resumes, "mutated", 2):
+        (changed,) = report["mismatched"]
+        assert changed.startswith("optim.state.") and "lora_" in changed, changed
+
+
+def test_resume_in_one_process_stays_within_the_straight_runs_gap(resumes, single):
+    _, one_losses, _ = single
+    straight, resumed = step_losses(resumes, "straight"), step_losses(resumes, "one-resumed")
+    assert len(resumed) == 16 - SAVE_AT
+    gap = max(abs(a - b) for a, b in zip(straight[:SAVE_AT], one_losses[:SAVE_AT], strict=True))
+    for step, loss in enumerate(resumed, SAVE_AT):
+        gap = max(gap, abs(straight[step] - one_losses[step]))
+        assert abs(loss - one_losses[step]) <= max(1e-6, 2 * gap), (step, loss, gap)
+    (report,) = state_reports(resumes, "one-resumed", 1)
+    assert report["mismatched"] == [] and set(report["expected"]) <= set(report["compared"])
+
+
+def test_a_changed_quantization_record_is_refused_in_one_line(resumes, tmp_path):
+    edited = tmp_path / "ckpt" / f"step-{SAVE_AT}"
+    shutil.copytree(resumes / "ckpt" / f"step-{SAVE_AT}", edited)
+    marker = json.loads((edited / "COMPLETE").read_text())
+    marker["quantized_base"]["block"] = 128
+    (edited / "COMPLETE").write_text(json.dumps(marker))
+    proc = run_cli(["train", *FLAGS, "--strategy", "single", "--nproc-per-node", "1",
+                    "--resume", str(edited)], cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    seed = TrainConfig().seed
+    assert proc.stderr.strip().splitlines()[-1:] == [
+        f"fsdp2lab: error: checkpoint {edited} was trained on an nf4 base (blocks of 128, scales "
+        f"in blocks of 256) of the model built from seed {seed}; this run has an nf4 base "
+        f"(blocks of 64, scales in blocks of 256) of the model built from seed {seed}"
+    ]
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "error" in line.lower()]
+    assert len(errors) == 1, errors
+
+
+@pytest.mark.parametrize(
+    ("saved_seed", "flags", "words"),
+    [
+        (2, {}, r"an nf4 base .* seed 2; this run has an nf4 base .* seed 1$"),
+        (None, {}, r"an unquantized base \(no --quantize-base\); this run has an nf4 base .*"),
+        (1, {"quantize_base": None}, r"an nf4 base .* seed 1; this run has an unquantized base"),
+    ],
+    ids=["seed", "lora-checkpoint-qlora-run", "qlora-checkpoint-lora-run"],
+)
+def test_base_records_that_differ_are_refused(saved_seed, flags, words):
+    def ckpt(seed: int | None) -> Checkpoint:
+        run = {"contents": ["model", "optim"]}
+        if seed is not None:
+            run["quantized_base"] = quantize.record("nf4", None, seed)
+        return Checkpoint(Path("ck/step-8"), run, None)
+
+    def trainer(**changes) -> SimpleNamespace:
+        cfg = TrainConfig(**{**GPT, "seed": 1, **changes})
+        return SimpleNamespace(cfg=cfg, plan=SimpleNamespace(spec=SimpleNamespace(source=None)))
+
+    with pytest.raises(UsageError, match=r"^checkpoint ck/step-8 was trained on " + words):
+        ckpt_state.check_base(trainer(**flags), ckpt(saved_seed))
+    ckpt_state.check_base(trainer(), ckpt(1))  # the same record passes

@@ -109,7 +109,7 @@ def resolve(cfg: TrainConfig, world_size: int, device_type: str | None = None) -
     if cfg.lora_rank is not None:  # adapters on the meta model: sharded with their layer
         cfg, spec, model = _with_lora(cfg, spec, model)
     if cfg.quantize_base:  # the base loaded whole, quantized, then sharded (NF4's own split)
-        quantize.check_sizes(model, units, dims.dp_shard)
+        quantize.check_sizes(model, units, dims.dp_shard, cfg.strategy)
         spec = dataclasses.replace(spec, load_weights=quantize.after_load(spec.load_weights, units))
         strategy = dataclasses.replace(strategy, materialize_first=True)
     if is_reference("model", cfg.model) and not your_dataset:  # checked when it is loaded

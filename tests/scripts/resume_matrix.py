@@ -17,8 +17,8 @@ into the running trainer (``before_fit``):
   checkpoint saves (the state dict the checkpoint code takes: a LoRA run's adapters, not its frozen
   base), every optimizer state tensor and hyperparameter (gathered to full), the scheduler, the
   train state and the gradient scaler with what the checkpoint holds, and a LoRA run's frozen base
-  (gathered) with its folder's tensors; each rank writes what it compared to
-  OUT_DIR/<name>.state.rank<R>.json.
+  (gathered) with its folder's tensors (not a QLoRA run's: its NF4 base is that folder's
+  rounding); each rank writes what it compared to OUT_DIR/<name>.state.rank<R>.json.
 """
 
 import argparse
@@ -159,7 +159,8 @@ class CheckLoaded(Hooks):
                 mismatched.append(part)
         expected = [f"model.{k}" for k in saved["model"]] + [f"optim.{k}" for k in saved["optim"]]
         expected += [p for p in ("scaler",) if p in saved]
-        if trainer.cfg.lora_rank is not None:  # the frozen base: not saved, read from its folder
+        if trainer.cfg.lora_rank is not None and not trainer.cfg.quantize_base:
+            # the frozen base: not saved, read from its folder
             for key, differ in base_against_folder(trainer).items():
                 compared.append(key)
                 if differ:

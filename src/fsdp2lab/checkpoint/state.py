@@ -8,7 +8,9 @@ Top-level keys of the DCP state dict:
 - ``train_state``: epoch, step, samples seen, samples into the epoch (world-size independent);
 - ``scaler``: with ``--mixed-precision fp16``, the gradient scaler's state (scale, growth tracker);
 - ``run``: JSON of how the run was set up (model, strategy, world size, mesh, config, and a
-  Hugging Face model's config as ``hf_config``, which ``ckpt export`` writes as ``config.json``);
+  Hugging Face model's config as ``hf_config``, which ``ckpt export`` writes as ``config.json``;
+  a LoRA run's base folder, ``lora_base``, and a QLoRA run's base quantization,
+  ``quantized_base``: neither base is saved);
 - ``ranks.<R>``: rank R's own state: CPU (and CUDA) RNG states (uint8 tensors) and its data
   loader's state dict as JSON text. Every rank writes only its own entry.
 
@@ -42,7 +44,7 @@ from fsdp2lab.checkpoint.layout import Checkpoint
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.data.tokens import TOKENIZER_FILES
 from fsdp2lab.errors import UsageError
-from fsdp2lab.models import lora
+from fsdp2lab.models import lora, quantize
 from fsdp2lab.runtime.distributed import Runtime
 
 # Optimizer state keyed by parameter name (not by position in param_groups): the same keys
@@ -89,6 +91,7 @@ MODEL, OPTIM, SCHEDULER, TRAIN_STATE, RUN, RANKS, SCALER = (
 FULL_CONTENTS = [MODEL, OPTIM, SCHEDULER, TRAIN_STATE, RUN, RANKS]
 GENERATION_FILE = "generation_config.json"
 LORA_BASE = "lora_base"  # run info: a LoRA run's base folder and its fingerprint
+QUANTIZED_BASE = "quantized_base"  # run info: a QLoRA run's base quantization (quantize.record)
 # Tokenizer files that decide no token ids (so not in a token file's hash), copied too.
 TOKENIZER_EXTRAS = ("added_tokens.json", "chat_template.jinja")
 
@@ -116,6 +119,8 @@ def run_info(trainer: Checkpointable) -> dict:
         info["hf_source"] = trainer.plan.spec.source
     if cfg.lora_rank is not None:  # the frozen base is not saved: the folder it is read from
         info[LORA_BASE] = lora_base(trainer.plan.spec.source)
+    if cfg.quantize_base:  # nor its NF4: how it is quantized again on resume
+        info[QUANTIZED_BASE] = quantize.record(cfg.quantize_base, info[LORA_BASE], cfg.seed)
     companions = companion_files(trainer.plan.spec.source, cfg.tokenizer)
     if companions:
         info["companions"] = companions
@@ -132,9 +137,21 @@ def lora_base(source: str | None) -> dict | None:
 
 def check_base(trainer: Checkpointable, ckpt: Checkpoint) -> None:
     """A UsageError (the same on every rank) when a LoRA checkpoint's base folder is not this
-    run's: its adapters were trained on other weights."""
-    saved = saved_run(ckpt).get(LORA_BASE)
-    if trainer.cfg.lora_rank is None or saved is None:
+    run's, or a training checkpoint's base quantization (none for a run without
+    ``--quantize-base``) is not this run's: its adapters were trained on other weights."""
+    run, cfg = saved_run(ckpt), trainer.cfg
+    if OPTIM in ckpt.contents or QUANTIZED_BASE in run:  # a training run's (not imported weights)
+        here = None
+        if cfg.quantize_base:
+            here = quantize.record(cfg.quantize_base, lora_base(trainer.plan.spec.source), cfg.seed)
+        if run.get(QUANTIZED_BASE) != here:
+            raise UsageError(
+                f"checkpoint {ckpt.path} was trained on "
+                f"{quantize.describe(run.get(QUANTIZED_BASE))}; this run has "
+                f"{quantize.describe(here)}"
+            )
+    saved = run.get(LORA_BASE)
+    if cfg.lora_rank is None or saved is None:
         return
     here = lora_base(trainer.plan.spec.source)
     if here is None or here["sha256"] != saved.get("sha256"):

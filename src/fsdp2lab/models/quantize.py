@@ -11,12 +11,25 @@ materialise the model first); FSDP2 then shards each NF4 weight by rows with tor
 split and all-gathers its NF4 parts (``NF4Tensor.fsdp_pre/post_all_gather``), so every rank
 computes with the whole tensor's quantization.
 
+Checkpoints (``--ckpt-dir``, ``--resume``) hold the adapters and their optimizer state, never the
+NF4 base, and in the run info the base's quantization (:func:`record`). On resume the base is
+loaded and quantized as in a fresh run; a checkpoint whose record differs (another scheme or block
+sizes, another source folder or seed, or no quantization) is refused in one line
+(``checkpoint.state.check_base``). Resume is exact at the same layout and continues at another
+world size, e.g. saved on 2 ranks, resumed in one process::
+
+    fsdp2lab train --model hf:DIR --lora-rank 16 --quantize-base nf4 --ckpt-dir ckpt --nproc-per-node 2
+    fsdp2lab train --model hf:DIR --lora-rank 16 --quantize-base nf4 --resume ckpt \
+        --strategy single --nproc-per-node 1
+
 * :func:`check` -- what ``--quantize-base`` refuses before any worker starts (one line): other
-  strategies than ``fsdp2`` (HSDP too) and ``single``, ``--tp``, ``--pp``, checkpoints,
-  ``--save-model``.
-* :func:`check_sizes` -- each quantized weight splits into whole NF4 blocks on every shard.
+  strategies than ``fsdp2`` (HSDP too) and ``single``, ``--tp``, ``--pp``, ``--save-model``.
+* :func:`check_sizes` -- each quantized weight splits into whole NF4 blocks on every shard, and
+  FSDP2 shards over 2 or more ranks (its one-rank path does not all-gather NF4's parts: one
+  process runs ``--strategy single``).
 * :func:`base_linears` -- the linear modules whose weights become NF4.
 * :func:`after_load` -- a ``ModelSpec.load_weights`` that loads the base, then quantizes it.
+* :func:`record`, :func:`describe` -- a checkpoint's record of the quantized base, and in words.
 """
 
 from __future__ import annotations
@@ -32,7 +45,6 @@ SCALER_BLOCK = 256  # block scales per double-quantization block (torchao's defa
 VALUES_PER_SCALER_BLOCK = BLOCK * SCALER_BLOCK  # 16,384: what NF4 quantizes as a whole
 # Flags (config field -> is it set) whose code paths do not handle NF4 weights yet.
 _NOT_YET = {
-    "ckpt_dir": "--ckpt-dir (checkpoints and resume: the NF4 base is not rebuilt on resume)",
     "save_model": "--save-model",
 }
 STRATEGIES = ("fsdp2", "single")
@@ -74,10 +86,16 @@ def base_linears(model: nn.Module, units: tuple[str, ...]) -> list[tuple[str, nn
     return found
 
 
-def check_sizes(model: nn.Module, units: tuple[str, ...], shards: int) -> None:
+def check_sizes(model: nn.Module, units: tuple[str, ...], shards: int, strategy: str) -> None:
     """Each quantized weight must split into whole double-quantization blocks on each of the
     ``shards`` ranks FSDP2 shards it over (torchao's NF4 split): UsageError naming the first
-    weight that does not, and the sizes that would."""
+    weight that does not, and the sizes that would. FSDP2 must shard over 2 or more ranks: on
+    one its all-gather is skipped and only the first of NF4's three parts reaches the layer."""
+    if strategy == "fsdp2" and shards == 1:
+        raise UsageError(
+            "--quantize-base nf4 with --strategy fsdp2 needs 2 or more ranks to shard over "
+            "(FSDP2 on one rank does not gather NF4 weights): on one process use --strategy single"
+        )
     linears = base_linears(model, units)
     if not linears:
         raise UsageError("--quantize-base: the model's layers hold no frozen nn.Linear to quantize")
@@ -110,3 +128,26 @@ def after_load(load_weights, units: tuple[str, ...]):
         quantize_base(model, units)
 
     return load
+
+
+def record(scheme: str, source: dict | None, seed: int) -> dict:
+    """A checkpoint's record of the quantized base: the scheme, its block sizes, and its source
+    (``source``: the folder and its fingerprint, ``checkpoint.state.lora_base``; None: a model
+    built from ``seed``)."""
+    origin = source if source is not None else {"seed": seed}
+    return {"scheme": scheme, "block": BLOCK, "scaler_block": SCALER_BLOCK, "source": origin}
+
+
+def describe(saved: dict | None) -> str:
+    """A :func:`record` in words (None: an unquantized base)."""
+    if saved is None:
+        return "an unquantized base (no --quantize-base)"
+    source = saved.get("source") or {}
+    if "folder" in source:
+        origin = f"{source['folder']} (fingerprint {str(source.get('sha256'))[:12]})"
+    else:
+        origin = f"the model built from seed {source.get('seed')}"
+    return (
+        f"an {saved.get('scheme')} base (blocks of {saved.get('block')}, scales in blocks of "
+        f"{saved.get('scaler_block')}) of {origin}"
+    )
