@@ -2,7 +2,8 @@
 loads on the bf16 base; ``--save-hf --merge`` merges the adapters into the source folder's bf16
 weights, not their NF4 rounding: PEFT's own ``merge_and_unload()`` of that adapter folder on the
 bf16 base, bit for bit. Two identical runs on 2 ranks (FSDP2, a tiny bf16 Llama whose projections
-split into whole NF4 blocks over 2 ranks), one per folder.
+split into whole NF4 blocks over 2 ranks), one per folder; ``ckpt export`` of the first's
+checkpoint (with and without ``--merge``) writes the same tensors as ``--save-hf``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from conftest import train
+from fsdp2lab import cli
 
 pytestmark = [pytest.mark.hf]
 transformers = pytest.importorskip("transformers")
@@ -48,12 +50,17 @@ def run(tmp_path_factory) -> SimpleNamespace:
     where = tmp_path_factory.mktemp("qlora-export")
     base = save_base(where / "base")
     model = ["--model", f"hf:{base}"]
-    adapter = train(where, *model, *RUN, "--save-hf", str(where / "adapter"), name="adapter")
+    adapter = train(where, *model, *RUN, "--save-hf", str(where / "adapter"), "--ckpt-dir",
+                    str(where / "ckpt"), name="adapter")  # fmt: skip
     merged = train(where, *model, *RUN, "--save-hf", str(where / "merged"), "--merge",
                    name="merged")  # fmt: skip
     assert adapter.step_losses == merged.step_losses  # the same training: the same adapters
     assert "merged into the source folder's weights, not the NF4 ones" in merged.stdout
-    return SimpleNamespace(base=base, adapter=where / "adapter", merged=where / "merged")
+    ckpt = where / "ckpt"
+    assert cli.main(["ckpt", "export", str(ckpt), str(where / "exported")]) == 0
+    assert cli.main(["ckpt", "export", str(ckpt), str(where / "exported-merged"), "--merge"]) == 0
+    return SimpleNamespace(base=base, adapter=where / "adapter", merged=where / "merged",
+                           exported=where / "exported", exported_merged=where / "exported-merged")  # fmt: skip
 
 
 def batch() -> torch.Tensor:
@@ -88,3 +95,13 @@ def test_merge_is_peft_merge_and_unload_on_the_bf16_weights_bit_for_bit(run):
     assert not torch.equal(rounded, source[name])
     delta = merged[name].float() - source[name].float()
     assert not torch.equal((rounded.float() + delta).to(torch.bfloat16), merged[name])
+
+
+def test_ckpt_export_of_a_qlora_checkpoint_is_the_save_hf_folder(run):
+    adapters = safetensors_torch.load_file(run.adapter / "adapter_model.safetensors")
+    exported = safetensors_torch.load_file(run.exported / "adapter_model.safetensors")
+    assert set(adapters) == set(exported)
+    assert all(torch.equal(adapters[k], exported[k]) for k in adapters)
+    merged, exported_merged = tensors(run.merged), tensors(run.exported_merged)
+    assert set(merged) == set(exported_merged)
+    assert all(torch.equal(merged[k], exported_merged[k]) for k in merged)
