@@ -167,7 +167,7 @@ def h200_config(layers: int) -> dict:
             marks=pytest.mark.xfail(
                 strict=True,
                 raises=AssertionError,
-                reason="the plan is 11-19% faster than the H200 measured (docs/scale.md, "
+                reason="the plan is 12-21% faster than the H200 measured (docs/scale.md, "
                 "'Checked against published runs')",
             ),
         )

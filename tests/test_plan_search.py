@@ -141,7 +141,9 @@ def test_a_speed_ceiling_bounds_every_layout_computing_alike():
     for a, b in pairs:
         ceiling = speed_ceiling(figures[a])
         assert figures[b]["tokens_per_s_per_gpu"] <= ceiling * (1 + 1e-12), (a, b)
-    no_pipeline = Layout(tp=1, pp=1, r=1, k=1, ac="none", units="layer", reshard="true")
+    # not resharding: at NCCL's bus bandwidth, FSDP 4's all-gathers again in backward would
+    # leave it 0.9% below the ceiling
+    no_pipeline = Layout(tp=1, pp=1, r=1, k=1, ac="none", units="layer", reshard="false")
     assert not computes_alike(pipelines[0], no_pipeline)
     faster = summarize(resolve(no_pipeline.config(cfg), 4, "cuda"), hw)
     assert faster["tokens_per_s_per_gpu"] > speed_ceiling(figures[pipelines[0]])

@@ -1,12 +1,15 @@
-"""Accelerators a plan can target: memory, peak dense bf16 compute, memory and NVLink bandwidth.
+"""Accelerators a plan can target: memory, peak dense bf16 compute, and what the time model takes
+a GPU to achieve: its matmul rate, copy bandwidth, NCCL bandwidth within a node, attention's
+share of the peak and the host's launch time.
 
-Every figure is the vendor's public datasheet value (dense, i.e. without 2:4 sparsity), or a
-published or measured microbenchmark's where the time model needs what a GPU achieves, with its
-source beside it. ``hbm_gib`` is the memory the driver reports (what the allocator can use
-plus the CUDA context), in GiB. ``intra_node_gbs`` is one GPU's bandwidth to its node's other
-GPUs in one direction (the datasheets quote both directions together: half of it). Bandwidth
-between nodes is no property of a GPU: ``fsdp2lab plan --inter-node-gbs`` (default
-:data:`DEFAULT_INTER_NODE_GBS`).
+The peak and the memory are the vendor's datasheet values (dense, i.e. without 2:4 sparsity);
+every achieved figure is a published microbenchmark's (or, for the H200, measured on one), with
+its source and the figure quoted beside it, and none is fitted to a training run. Where no
+figure is published, the comment says "uncharacterized" and what stands in. ``hbm_gib`` is the
+memory the driver reports (what the allocator can use plus the CUDA context), in GiB.
+``intra_node_gbs`` is NCCL's bus bandwidth, the bytes one GPU's ring collective puts on the wire
+per second in one direction. Bandwidth between nodes is no property of a GPU: ``fsdp2lab plan
+--inter-node-gbs`` (default :data:`DEFAULT_INTER_NODE_GBS`).
 """
 
 from __future__ import annotations
@@ -15,10 +18,19 @@ from dataclasses import dataclass
 
 from fsdp2lab.errors import UsageError
 
-# Maximum Achievable Matmul FLOPS: the best bf16 matmul TFLOP/s over many shapes, measured by
-# mamf-finder.py, https://github.com/stas00/ml-engineering/blob/master/compute/accelerator/README.md
-# ("Maximum Achievable Matmul FLOPS comparison table"): A100 SXM 271.2, H100 SXM 794.5 ("H200 is
-# the same"), B200 SXM 1745.0, MI300X 668.4.
+# Matmul rates. MSMF (Maximum Sustainable Matmul FLOPS), the rate a bf16 matmul holds with the
+# GPU saturated at its power limit, is what a training step sees; MAMF, the best short burst at
+# the boost clock, is 15-20% higher. Stas Bekman's ml-engineering, branch fast-mamf (commit
+# 082816f), compute/accelerator/benchmarks/README.md, mamf-finder.py on all 8 GPUs of a node at
+# once (as a training run keeps them): H200 "All 8 GPUs x 5 rounds (n=40) | 698.6" (MAMF 823.9),
+# B200 "1426.4" (MAMF 1751.2). The H100 SXM is the H200's chip at the same 700 W ("H200 is the
+# same", its MAMF table): the H200's MSMF. No MSMF is published for A100 and MI300X: their
+# MAMF (compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS comparison table": A100
+# SXM 271.2, MI300X 668.4), a burst rate, the sustained one uncharacterized.
+H100_MSMF = 698.6
+B200_MSMF = 1426.4
+A100_MAMF = 271.2
+MI300X_MAMF = 668.4
 # Flash attention's share of the peak: FlashAttention-2 (Dao, 2023, arXiv:2307.08691) "reaching
 # 50-73% of the theoretical maximum FLOPs/s on A100" (the middle of that range here), and only
 # "35% utilization on H100" (FlashAttention-3, Shah et al., 2024, arXiv:2407.08608), torch's own
@@ -28,13 +40,37 @@ AMPERE_ATTENTION = (0.50 + 0.73) / 2
 # A matmul computes its output in tiles; a wave is one tile per SM. cuBLAS's and CUTLASS's bf16
 # kernels on Ampere and Hopper use 128 x 128 output tiles or larger.
 MATMUL_TILE = (128, 128)
-# The host's time to issue one op in eager PyTorch (dispatcher, autograd, the CUDA launch).
+# The host's time to issue one op in eager PyTorch (dispatcher, autograd, the CUDA launch):
+# uncharacterized, no published figure (the H200 here measured 9.4 us).
 LAUNCH_S = 10e-6
+# Achieved copy bandwidth over the datasheet's: an H100 SXM's device-to-device copy, "Device to
+# Device (D2D) | 2903.4" GB/s of 3,350 (Voltage Park's 8x H100 node,
+# https://github.com/ZiyanIshani/vpbenchmarking, results/stream_nvbench/stream_nvbench_summary.md;
+# the H200 here measured 4.25 of 4.8 TB/s, 0.885). Taken for every GPU whose own achieved copy
+# rate is unpublished (all but the H200, measured).
+COPY_SHARE = 2903.4 / 3350
+# NCCL's bus bandwidth within a node (ring all-gather and reduce-scatter, what the wire carries
+# per GPU and direction), ml-engineering network/README.md (commit 744d01e): 8x H200, NVLink 4,
+# 16 GiB, "all-gather | Ring | 361.4GBps", "reduce-scatter | Ring | 362.9GBps" of the 450 line
+# rate (their mean here; the same NVLink 4 on every H100); 8x A100, NVLink 3, "234.89GBps" of
+# 300. NCCL's maintainer: "450GB/s is the line rate. With the protocol overhead (~20%) NCCL can
+# get an effective NVLink bandwidth of 370GB/s" (https://github.com/NVIDIA/nccl-tests/issues/212).
+# No ring figure is published for B200 (NVLink 5) and MI300X (Infinity Fabric): their line
+# rate, the achieved one uncharacterized.
+NVLINK4_BUS_GBS = (361.4 + 362.9) / 2
+NVLINK3_BUS_GBS = 234.89
 
-H100_96GB_MAMF = 794.5 * (989.0 + 835.0) / 2 / 989.0
+# The 96 GB H100 of torchtitan's benchmarks ran capped at 500 W; no sustained matmul rate is
+# published at that cap (uncharacterized): the SXM's MSMF, scaled to the middle of the peak range
+# torchtitan gives for it (between the SXM's 989 and the NVL's 835 TFLOPS dense,
+# https://www.nvidia.com/en-us/data-center/h100/).
+H100_96GB_MSMF = H100_MSMF * (989.0 + 835.0) / 2 / 989.0
 
 # One 400 Gb/s NIC (InfiniBand NDR / 400G RoCE) per GPU, as in DGX H100 / H200 / B200 nodes:
 # 50 GB/s per direction. https://docs.nvidia.com/dgx/dgxh100-user-guide/introduction-to-dgxh100.html
+# NCCL's achieved share of it is uncharacterized: the one published conversion (ml-engineering
+# network/README.md, 4 nodes of 8 B200, all-reduce: 36.95 of 50 GB/s per GPU) is, it says, a
+# floor whose value does not carry to another system. The line rate.
 DEFAULT_INTER_NODE_GBS = 50.0
 
 
@@ -43,11 +79,11 @@ class GPU:
     name: str
     description: str
     hbm_gib: float
-    bf16_tflops: float  # peak dense bf16 tensor-core TFLOP/s
-    hbm_tbs: float  # memory bandwidth, TB/s
-    intra_node_gbs: float  # to the node's other GPUs, GB/s per direction
+    bf16_tflops: float  # peak dense bf16 tensor-core TFLOP/s (the datasheet's; MFU's divisor)
+    hbm_tbs: float  # achieved copy bandwidth, TB/s
+    intra_node_gbs: float  # NCCL's bus bandwidth to the node's other GPUs, GB/s per direction
     sms: int  # streaming multiprocessors (compute units)
-    mamf_tflops: float  # maximum achievable matmul bf16 TFLOP/s (a microbenchmark, MAMF)
+    mamf_tflops: float  # the matmul rate a step sees, bf16 TFLOP/s (sustained where published)
     attention_efficiency: float  # flash attention's achieved / peak bf16 FLOP/s
     tile: tuple[int, int] = MATMUL_TILE  # a matmul's output tile: (1, 1) where there are no waves
     launch_s: float = LAUNCH_S  # the host's time to issue one op
@@ -62,37 +98,43 @@ GPUS: dict[str, GPU] = {
         # https://www.nvidia.com/en-us/data-center/h100/ (H100 SXM: 80 GB, 1,979 TFLOPS bf16
         # with sparsity = 989 dense, 3.35 TB/s, NVLink 900 GB/s both directions)
         GPU(
-            "h100", "NVIDIA H100 SXM 80 GB", 79.6, 989.0, 3.35, 450.0, 132, 794.5, HOPPER_ATTENTION
+            "h100",
+            "NVIDIA H100 SXM 80 GB",
+            79.6,
+            989.0,
+            3.35 * COPY_SHARE,
+            NVLINK4_BUS_GBS,
+            132,
+            H100_MSMF,
+            HOPPER_ATTENTION,
         ),
         # The 96 GB HBM2e SXM H100 of torchtitan's benchmarks
         # (https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md:
         # "96GB HBM2e with 2.4 TB/sec peak memory bandwidth", NVLink, 500 W); torchtitan's MFU
         # takes the SXM's 989 TFLOPS for it (its true peak, it says, lies between SXM and NVL).
-        # Its MAMF: the SXM's, scaled to the middle of that range (H100 NVL: 835 TFLOPS dense,
-        # https://www.nvidia.com/en-us/data-center/h100/).
         GPU(
             "h100-96gb",
             "NVIDIA H100 96 GB HBM2e",
             94.5,
             989.0,
-            2.4,
-            450.0,
+            2.4 * COPY_SHARE,
+            NVLINK4_BUS_GBS,
             132,
-            H100_96GB_MAMF,
+            H100_96GB_MSMF,
             HOPPER_ATTENTION,
         ),
         # https://www.nvidia.com/en-us/data-center/h200/ (141 GB, 989 TFLOPS bf16 dense,
-        # 4.8 TB/s, NVLink 900 GB/s). What the time model takes is measured on one (700 W,
-        # torch 2.11.0+cu130) by scripts/gpu_constants.py: matmuls at up to 682.6 TFLOP/s at the
-        # models' shapes, copies at 4.25 TB/s, causal flash attention at 42% of the peak, an op
-        # launched in 9.4 us.
+        # 4.8 TB/s, NVLink 900 GB/s). Measured on one (700 W, torch 2.11.0+cu130) by
+        # scripts/gpu_constants.py after 15 s of matmuls: matmuls at up to
+        # 682.6 TFLOP/s at the models' shapes (MSMF 698.6), copies at 4.25 TB/s, causal flash
+        # attention at 42% of the peak, an op launched in 9.4 us.
         GPU(
             "h200",
             "NVIDIA H200 SXM 141 GB",
             140.4,
             989.0,
             4.25,
-            450.0,
+            NVLINK4_BUS_GBS,
             132,
             682.6,
             0.42,
@@ -101,7 +143,17 @@ GPUS: dict[str, GPU] = {
         # https://www.nvidia.com/en-us/data-center/hgx/ (HGX B200: 8 GPUs, 1.4 TB memory,
         # 18 PFLOPS fp16/bf16 with sparsity = 2.25 dense per GPU, 62 TB/s HBM = 7.7 per GPU,
         # NVLink 5: 1.8 TB/s per GPU both directions)
-        GPU("b200", "NVIDIA B200 180 GB", 178.4, 2250.0, 7.7, 900.0, 148, 1745.0, HOPPER_ATTENTION),
+        GPU(
+            "b200",
+            "NVIDIA B200 180 GB",
+            178.4,
+            2250.0,
+            7.7 * COPY_SHARE,
+            900.0,
+            148,
+            B200_MSMF,
+            HOPPER_ATTENTION,
+        ),
         # https://www.nvidia.com/en-us/data-center/a100/ (A100 40 GB SXM: 312 TFLOPS bf16 dense,
         # 1,555 GB/s; 80 GB SXM: 2,039 GB/s; NVLink 600 GB/s)
         GPU(
@@ -109,14 +161,22 @@ GPUS: dict[str, GPU] = {
             "NVIDIA A100 SXM 40 GB",
             39.4,
             312.0,
-            1.555,
-            300.0,
+            1.555 * COPY_SHARE,
+            NVLINK3_BUS_GBS,
             108,
-            271.2,
+            A100_MAMF,
             AMPERE_ATTENTION,
         ),
         GPU(
-            "a100", "NVIDIA A100 SXM 80 GB", 79.2, 312.0, 2.039, 300.0, 108, 271.2, AMPERE_ATTENTION
+            "a100",
+            "NVIDIA A100 SXM 80 GB",
+            79.2,
+            312.0,
+            2.039 * COPY_SHARE,
+            NVLINK3_BUS_GBS,
+            108,
+            A100_MAMF,
+            AMPERE_ATTENTION,
         ),
         # https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html (192 GB HBM3,
         # 1,307.4 TFLOPS bf16 dense, 5.3 TB/s, 896 GB/s Infinity Fabric peer bandwidth)
@@ -125,10 +185,10 @@ GPUS: dict[str, GPU] = {
             "AMD Instinct MI300X 192 GB",
             191.5,
             1307.4,
-            5.3,
+            5.3 * COPY_SHARE,
             448.0,
             304,
-            668.4,
+            MI300X_MAMF,
             HOPPER_ATTENTION,
         ),
     )

@@ -3,14 +3,14 @@
 
 Each op's time on its stream:
 
-* **matmul**: its FLOPs at the GPU's maximum achievable matmul FLOP/s (MAMF), scaled by how much
-  of the last wave of output tiles is useful (a skinny or small matmul leaves SMs idle), and never
-  less than its bytes at HBM bandwidth;
+* **matmul**: its FLOPs at the GPU's sustained matmul rate (``GPU.mamf_tflops``), scaled by how
+  much of the last wave of output tiles is useful (a skinny or small matmul leaves SMs idle), and
+  never less than its bytes at the copy bandwidth;
 * **attention** (flash kernels): its FLOPs (half under a causal mask) at the GPU's attention
   efficiency;
-* **everything else**: its bytes read and written at HBM bandwidth;
-* **collectives**: their bytes on the wire at the link's bandwidth (NVLink within a node, the
-  network across nodes) plus a latency per call.
+* **everything else**: its bytes read and written at the achieved copy bandwidth;
+* **collectives**: their bytes on the wire at the link's bandwidth (NCCL's bus bandwidth over
+  NVLink within a node, the network across nodes) plus a latency per call.
 
 Streams, as the GPU runs them: the host issues ops one after another, each costing it
 ``launch_s`` in eager mode (a kernel cannot start before it is issued); the compute stream runs
@@ -71,7 +71,7 @@ def matmul_s(gpu: GPU, flops: int, nbytes: int, mnk: tuple[int, int, int]) -> fl
 
 def compute_floor_s(gpu: GPU, ops: list[Op]) -> float:
     """The least time the compute stream takes over ``ops``' matmuls and attention: each matmul
-    at the MAMF with no wave of tiles lost (what :func:`matmul_s` never goes below), attention as
+    at the matmul rate with no wave of tiles lost (what :func:`matmul_s` never goes below), attention as
     timed."""
     matmul_flops = sum(op.flops for op in ops if op.kind == "matmul")
     attention = sum(kernel_s(gpu, op) for op in ops if op.kind == "attention")
