@@ -29,26 +29,17 @@ RUN = ["--seq-len", "16", "--dataset", "synthetic", "--synthetic-size", "64", "-
        "--lr", "1e-2", "--progress", "off", "--nproc-per-node", "2"]  # fmt: skip
 
 
-def save_base(folder: Path) -> Path:
-    """A tiny bf16 Llama: every projection a multiple of 2 x 16,384 values (NF4 over 2 ranks)."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
-    return folder
-
-
 def tensors(folder: Path) -> dict[str, torch.Tensor]:
     return safetensors_torch.load_file(folder / "model.safetensors")
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> SimpleNamespace:
+    from test_hf_pretrained import save_llama
+
     where = tmp_path_factory.mktemp("qlora-export")
-    base = save_base(where / "base")
+    # bf16, untied; hidden 256: every projection splits into whole NF4 blocks over 2 ranks
+    base = save_llama(where / "base", tied=False, dtype=torch.bfloat16, shard=None, hidden=256)
     model = ["--model", f"hf:{base}"]
     adapter = train(where, *model, *RUN, "--save-hf", str(where / "adapter"), "--ckpt-dir",
                     str(where / "ckpt"), name="adapter")  # fmt: skip
