@@ -102,7 +102,7 @@ def test_cpu_speed_prints_the_ratios_to_ddp():
     """scripts/cpu_speed.py at a tiny size: each strategy's time per step and the ratios to DDP."""
     out = _run(str(SCRIPTS / "cpu_speed.py"), "--repeats", "1", "--steps", "4", "--log-every",
                "1", "--d-model", "32", "--n-layers", "2", "--no-to-90")  # fmt: skip
-    for name in ("ddp", "fsdp2", "per-block"):
+    for name in ("ddp", "fsdp2", "fsdp2-auto"):
         assert re.search(rf"^  {name} +[\d.]+ \([\d.]+-[\d.]+\)$", out, re.M), out
-    for name in ("fsdp2", "per-block"):
+    for name in ("fsdp2", "fsdp2-auto"):
         assert re.search(rf"^  {name}/ddp +\d\.\d{{3}} \(", out, re.M), out

@@ -1,6 +1,7 @@
 """The optimizer step on local shards against the same step on DTensors, on FSDP2 with uneven
 shards; each rank writes its checks to OUT/rank-R.json. Run under torchrun with 2 ranks."""
 
+import copy
 import json
 import sys
 from pathlib import Path
@@ -83,6 +84,11 @@ for name, make in OPTIMIZERS.items():
                 p.grad = p.grad.redistribute(placements=[Replicate()])
             opt.step()
             opt.zero_grad()
+            if step == 9:  # new state objects, as a resumed checkpoint loads
+                before = {id(v) for s in opt.state.values() for v in s.values()}
+                opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+                after = {id(v) for s in opt.state.values() for v in s.values()}
+                reloaded_new_state = not before & after
     pairs = list(zip(ref_model.parameters(), local_model.parameters(), strict=True))
     checks[name] = {
         "on_dtensors": seen,
@@ -94,6 +100,7 @@ for name, make in OPTIMIZERS.items():
         ),
         "state_keyed_by_params": all(p in local.state for p in local_model.parameters()),
         "local_grads_released": all(local_tensor(p).grad is None for _, p in pairs),
+        "reloaded_new_state": reloaded_new_state,
     }
 
 
