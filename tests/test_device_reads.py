@@ -4,6 +4,7 @@ loop's work; a CPU proves it)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -36,7 +37,28 @@ CASES = {
         lambda x: x.repeat_interleave(REPEATS),
         lambda x: x.repeat_interleave(REPEATS, output_size=8),
     ),
+    "read-to-cpu": (lambda x: x.to("cpu"), lambda x: x.to(x.device)),
+    "read-into-a-host-tensor": (
+        lambda x: torch.tensor([0.0] * 6).copy_(x),
+        lambda x: torch.empty_like(x).copy_(x),
+    ),
+    "nonzero-of-where": (lambda x: torch.where(MASK), lambda x: torch.where(MASK, x, 0.0)),
+    "unique": (lambda x: x.unique(), lambda x: x.sort()),
+    "bincount": (
+        lambda x: x.long().bincount(),
+        lambda x: torch.zeros(6).scatter_add_(0, x.long(), x),
+    ),
+    "equal": (lambda x: torch.equal(x, x), lambda x: torch.eq(x, x).all()),
+    "equal-allclose": (lambda x: torch.allclose(x, x), lambda x: torch.isclose(x, x).all()),
     "copy": (lambda x: x.to("meta"), lambda x: x.to("meta", non_blocking=True)),
+    "copy-from-host": (
+        lambda x: torch.tensor([1.0]).to(x.device),
+        lambda x: torch.tensor([1.0]).to(x.device, non_blocking=True),
+    ),
+    "copy-from-numpy": (
+        lambda x: torch.from_numpy(np.ones(2)).to(x.device, torch.float32),
+        lambda x: torch.from_numpy(np.ones(2)).to(torch.float32),
+    ),
     "host_value": (
         lambda x: torch.as_tensor(3, dtype=torch.float64, device=x.device),
         lambda x: torch.as_tensor(3, dtype=torch.float64),
@@ -61,6 +83,21 @@ def test_each_kind_is_counted_once_and_its_twin_not(case):
         seen = counter.take()
         twin(X)
     assert seen == {kind: 1}
+    assert counter.take() == {}
+
+
+def test_a_tensor_made_for_the_host_is_used_without_a_wait():
+    """On a CPU, the tensors the code made for the host (from host values without a device,
+    ``.cpu()``) and what is computed from them alone are the host's; on CUDA, every CPU tensor."""
+    with HostWaits("cpu") as counter:
+        host = torch.tensor([1.0, 2.0, 3.0])
+        host.sum().item(), (host * 2).tolist(), host[host > 1].nonzero(), host.cpu().numpy()
+        moved = X.cpu()
+        moved.sum().item(), moved.tolist()
+    assert counter.take() == {"read": 1}  # X.cpu() alone
+    assert torch.equal(moved, X)
+    with HostWaits("cuda") as counter:
+        X.sum().item(), X.tolist(), X[MASK], X.cpu(), X.to("cpu"), torch.tensor([0.0] * 6).copy_(X)
     assert counter.take() == {}
 
 
