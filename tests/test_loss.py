@@ -197,18 +197,24 @@ class _Cost(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if not func.is_view and "empty" not in func._schema.name:
             self.ops.append(func._schema.name)
-            tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+            # An out= tensor is the op's result: written once, not read.
+            read = (args, {k: v for k, v in (kwargs or {}).items() if k != "out"})
+            tensors = [t for t in tree_leaves((read, out)) if isinstance(t, torch.Tensor)]
             self.bytes += sum(t.numel() * t.element_size() for t in tensors)
         return out
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("chunks", [2, 4, 8])
-def test_a_steps_chunked_loss_launches_8_plus_6_ops_a_chunk_and_2_bytes_a_logit_over_torchs(chunks):
-    """The trainer's loss (bf16 logits, ``root``: backward starts at it): forward and backward at
-    most 8 + 6 x chunks ops, and at most 2 bytes per logit (plus a few per token) more than
-    ``F.cross_entropy`` on the upcast logits; backward hands the gradient on, no pass of its own."""
+def test_a_steps_chunked_loss_launches_8_plus_6_ops_a_chunk_and_2_bytes_a_logit_over_torchs(
+    chunks, dtype
+):
+    """The trainer's loss (``root``: backward starts at it): forward and backward at most
+    8 + 6 x chunks ops, and at most 2 bytes per logit (plus a few per token) more than
+    ``F.cross_entropy`` on the upcast logits; backward hands the gradient on, no pass of its own.
+    fp32 logits get their gradient from log-softmax's backward directly (no copy: 8 B/logit)."""
     tokens, vocab = 64, 1000
-    logits = torch.randn(tokens, vocab).to(torch.bfloat16).requires_grad_()
+    logits = torch.randn(tokens, vocab).to(dtype).requires_grad_()
     target = torch.randint(0, vocab, (tokens,))
     with _Cost() as ours:
         loss.cross_entropy(logits, target, chunk_tokens=tokens // chunks, root=True).backward()

@@ -151,8 +151,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
     The loss is a step's last op, so where the logits need a gradient each chunk's is taken in
     forward, by ``F.cross_entropy``'s own backward right after its loss (of the fp32 chunk, with
-    ``weight`` folded in), and written into the gradient in the logits' dtype as it is copied:
-    one pass over every chunk instead of a forward pass and a second one, recomputed, in
+    ``weight`` folded in), and written into the gradient in the logits' dtype (fp32: by that
+    backward's last kernel; others: as it is copied, rounded once): one pass over every chunk instead of a forward pass and a second one, recomputed, in
     backward. Backward hands that gradient on as it is where ``root`` says its incoming gradient
     is 1; otherwise it scales it in place (rounded to the logits' dtype twice, within one ulp).
     fp16 logits take the gradient in backward, already scaled: a loss scaler's factor must come
@@ -215,6 +215,8 @@ def _sum_and_gradient(logits, target, chunk: int, mesh, scale, grad: torch.Tenso
     gradient times ``scale`` (a 0-dim tensor; None: 1) into ``grad``."""
 
     def step(piece: torch.Tensor, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if mesh is None:
+            return _chunk_sum_and_gradient(piece, t, scale, out)
         with torch.enable_grad(), _context(mesh):
             wide = piece.detach().float().requires_grad_()  # its gradient in fp32
             loss = _piece_sum(wide, t, mesh)
@@ -223,6 +225,27 @@ def _sum_and_gradient(logits, target, chunk: int, mesh, scale, grad: torch.Tenso
         return loss.detach()
 
     return _each_chunk(step, chunk, logits, target, grad)
+
+
+def _chunk_sum_and_gradient(piece, target, scale, out: torch.Tensor) -> torch.Tensor:
+    """One chunk's summed cross-entropy, by ``F.cross_entropy``'s own kernels on the fp32 chunk
+    (log-softmax, NLL, and their backward), its gradient times ``scale`` written into ``out``
+    by log-softmax's backward itself for fp32 logits; for others computed in fp32 and rounded
+    once as it is copied in (that kernel writes a narrower dtype on CUDA only)."""
+    log_probs = torch.log_softmax(piece.detach().float(), dim=-1)
+    with torch.enable_grad():
+        wide = log_probs.requires_grad_()
+        loss = F.nll_loss(wide, target, reduction="sum")
+        (log_probs_grad,) = torch.autograd.grad(loss, wide, scale)
+    direct = out.dtype == torch.float32
+    into = out if direct else torch.empty_like(log_probs)
+    # aten's log-softmax backward with an output: the op F.cross_entropy's backward ends with.
+    torch.ops.aten._log_softmax_backward_data.out(
+        log_probs_grad, log_probs.detach(), -1, into.dtype, out=into
+    )
+    if not direct:
+        out.copy_(into)
+    return loss.detach()
 
 
 def _each_chunk(step: Callable, chunk: int, *tensors: torch.Tensor) -> torch.Tensor:
