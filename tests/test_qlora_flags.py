@@ -1,6 +1,5 @@
 """``--quantize-base nf4``'s checks that need neither torchao nor PEFT, each one line: it needs
-``--lora-rank``; without torchao, or with one too old to have NF4Tensor, the plan refuses; so does
-``fsdp2lab plan`` (it does not model NF4 yet)."""
+``--lora-rank``; without torchao, or with one too old to have NF4Tensor, the plan refuses."""
 
 from __future__ import annotations
 
@@ -45,13 +44,3 @@ def test_with_a_torchao_without_nf4_the_plan_refuses(monkeypatch):
     hide_torchao(monkeypatch, types.SimpleNamespace(__version__="0.1.0"))
     with pytest.raises(UsageError, match=r"^--quantize-base: torchao 0\.1\.0 has no NF4Tensor"):
         resolve(TrainConfig(**QLORA), 2, "cpu")
-
-
-def test_plan_command_refuses_in_one_line(capsys):
-    from fsdp2lab.cli import main
-
-    argv = ["plan", "--model", "gpt", "--lora-rank", "4", "--quantize-base", "nf4"]
-    assert main([*argv, "--world-size", "2"]) == 2
-    assert capsys.readouterr().err.splitlines() == [
-        "fsdp2lab: error: fsdp2lab plan does not model --quantize-base yet (its NF4 base)"
-    ]

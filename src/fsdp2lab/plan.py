@@ -108,10 +108,14 @@ def resolve(cfg: TrainConfig, world_size: int, device_type: str | None = None) -
         _check_save_hf(cfg, model)
     if cfg.lora_rank is not None:  # adapters on the meta model: sharded with their layer
         cfg, spec, model = _with_lora(cfg, spec, model)
-    if cfg.quantize_base:  # the base loaded whole, quantized, then sharded (NF4's own split)
+    if cfg.quantize_base:  # NF4 on meta, sharded, each shard quantized as loaded; single: whole
         quantize.check_sizes(model, units, dims.dp_shard, cfg.strategy)
-        spec = dataclasses.replace(spec, load_weights=quantize.after_load(spec.load_weights, units))
-        strategy = dataclasses.replace(strategy, materialize_first=True)
+        if strategy.materialize_first:
+            load = quantize.after_load(spec.load_weights, units)
+            spec = dataclasses.replace(spec, load_weights=load)
+        else:
+            parallelize = quantize.before_sharding(strategy.parallelize, units)
+            strategy = dataclasses.replace(strategy, parallelize=parallelize)
     if is_reference("model", cfg.model) and not your_dataset:  # checked when it is loaded
         classify = spec.task == "classify"
         classes = spec.num_classes if classify else cfg.vocab_size

@@ -52,10 +52,19 @@ def storage_bytes(model: torch.nn.Module) -> int:
     shard), each storage once."""
     seen: dict[int, int] = {}
     for t in [*model.parameters(), *model.buffers()]:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        storage = local.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
+        for part in _plain(t.to_local() if hasattr(t, "to_local") else t):
+            storage = part.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
+
+
+def _plain(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``t``'s data: a tensor subclass's inner tensors (an NF4
+    weight's packed values and scales), else ``t``."""
+    if type(t) in (torch.Tensor, torch.nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [part for name in names for part in _plain(getattr(t, name))]
 
 
 def step_figures(

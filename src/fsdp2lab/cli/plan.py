@@ -67,13 +67,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from fsdp2lab.scale.report import format_report, plan_report
 
     cfg = config_from_args(args)
-    if cfg.quantize_base:
-        raise UsageError("fsdp2lab plan does not model --quantize-base yet (its NF4 base)")
     nproc = cfg.nproc_per_node or 8
     if not 0 <= args.memory_margin < 1 or args.inter_node_gbs <= 0:
         raise UsageError("--memory-margin must be in [0, 1), --inter-node-gbs > 0")
     hw = Hardware(get_gpu(args.gpu), nproc, args.inter_node_gbs, args.memory_margin)
     if args.search:
+        if cfg.quantize_base:
+            raise UsageError(
+                "fsdp2lab plan --search does not search --quantize-base layouts yet: plan one "
+                "layout (fsdp2 or HSDP, the AC and units you choose) without --search"
+            )
         from fsdp2lab.scale.search import SEARCHED, format_search, search
 
         given = [name for name in SEARCHED if getattr(args, name, None) is not None]

@@ -4,10 +4,11 @@
 dtype. ``check`` compares them with the model built from the config before any worker starts;
 ``load`` copies each tensor's part that this rank holds (a DTensor's local shard: FSDP2, HSDP,
 TP, or a pipeline stage's tensors) into it, converting the file's dtype (bf16, fp16) to the
-parameter's (fp32 master weights), so no rank ever holds the whole model. Tied parameters (an
-embedding shared with the output head) are read once, under whichever of their names the files
-hold. Non-persistent buffers (a rotary embedding's ``inv_freq``) are not in any checkpoint: they
-keep the values the model computed when it was built.
+parameter's (fp32 master weights), or quantizing it into an NF4 shard (``--quantize-base``), so
+no rank ever holds the whole model. Tied parameters (an embedding shared with the output head)
+are read once, under whichever of their names the files hold. Non-persistent buffers (a rotary
+embedding's ``inv_freq``) are not in any checkpoint: they keep the values the model computed when
+it was built.
 """
 
 from __future__ import annotations
@@ -122,14 +123,20 @@ class WeightIndex:
     def load(self, model: nn.Module, reference: nn.Module) -> None:
         """Read the weights into ``model`` (parallelised and materialised); ``reference`` is the
         unparallelised meta model it was copied from (its real non-persistent buffers). Through
-        DCP's HuggingFaceStorageReader where it reads slices, else safetensors' ``get_slice``."""
+        DCP's HuggingFaceStorageReader where it reads slices, else (and NF4 weights, quantized as
+        they are read) safetensors' ``get_slice``."""
+        from fsdp2lab.models.quantize import is_nf4
+
         targets = self.targets(model, reference)
         reader = hf_storage_reader()
         with torch.no_grad():
+            nf4 = {key: t for key, t in targets.items() if is_nf4(t)}  # quantized as read
+            self.read_slices(nf4)
+            rest = {key: t for key, t in targets.items() if key not in nf4}
             if reader is not None:
-                self.read_with_dcp(targets, reader)
+                self.read_with_dcp(rest, reader)
             else:
-                self.read_slices(targets)
+                self.read_slices(rest)
             persistent = set(reference.state_dict(keep_vars=True))
             for name, buffer in reference.named_buffers():
                 target = _lookup(model, name)
@@ -192,7 +199,10 @@ def _indexed_files(index: Path) -> list[str]:
 
 
 def _read_into(target: torch.Tensor, file, key: str) -> None:
-    """Copy the part of tensor ``key`` that ``target`` holds (a DTensor's local shard) into it."""
+    """Copy the part of tensor ``key`` that ``target`` holds (a DTensor's local shard) into it
+    (an NF4 shard: quantized, ``quantize.quantize_into``)."""
+    from fsdp2lab.models.quantize import is_nf4, quantize_into
+
     if target.dim() == 0:
         target.copy_(file.get_tensor(key))
         return
@@ -205,7 +215,10 @@ def _read_into(target: torch.Tensor, file, key: str) -> None:
     if 0 in shape:
         return
     part = file.get_slice(key)[tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
-    local.copy_(part)
+    if is_nf4(local):
+        quantize_into(target, part)
+    else:
+        local.copy_(part)
 
 
 def _is_buffer(model: nn.Module, name: str) -> bool:

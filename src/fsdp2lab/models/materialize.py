@@ -114,16 +114,24 @@ def _init_module(root: nn.Module, fqn: str, module: nn.Module) -> None:
 
 
 def _copy_into(target: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy the part of ``full`` that this rank holds into ``target`` (a DTensor shard or a plain tensor)."""
+    """Copy the part of ``full`` that this rank holds into ``target`` (a DTensor shard or a plain
+    tensor; an NF4 one: quantized, ``quantize.quantize_into``)."""
+    from fsdp2lab.models.quantize import is_nf4, quantize_into
+
     with torch.no_grad():
         if isinstance(target, DTensor):
             src = full.to(device=target.device_mesh.device_type, dtype=target.dtype)
             local = distribute_tensor(
                 src, target.device_mesh, target.placements, src_data_rank=None
             ).to_local()
+        else:
+            local = full.to(target.dtype)
+        if is_nf4(target):
+            quantize_into(target, local)
+        elif isinstance(target, DTensor):
             target.to_local().copy_(local)
         else:
-            target.copy_(full.to(target.dtype))
+            target.copy_(local)
 
 
 def init_weights(model: nn.Module, reference: nn.Module, seed: int) -> None:

@@ -6,10 +6,13 @@ torchao's defaults: absmax blocks of ``BLOCK`` = 64 values, each block's scale d
 int8 in blocks of ``SCALER_BLOCK`` = 256 scales (less their mean). Embeddings, norms, biases and
 the output head stay in the base's dtype; the LoRA adapters stay fp32 and trainable.
 
-The weights are quantized whole, after the base is loaded (the plan makes the strategy
-materialise the model first); FSDP2 then shards each NF4 weight by rows with torchao's own
-split and all-gathers its NF4 parts (``NF4Tensor.fsdp_pre/post_all_gather``), so every rank
-computes with the whole tensor's quantization.
+Under FSDP2 (HSDP too) the weights are made NF4 on the meta device (:func:`before_sharding`),
+so FSDP2 shards each by rows with torchao's own split and all-gathers its NF4 parts
+(``NF4Tensor.fsdp_pre/post_all_gather``). Each rank then reads only its rows of the source (an
+``hf:`` folder's slices, or its part of a seeded module's weights) and quantizes them into its
+shard (:func:`quantize_into`), bit for bit the shard of ``to_nf4`` of the whole weight: so no rank
+holds more than one whole weight at a time. ``--strategy single`` quantizes the loaded weights
+whole (:func:`after_load`).
 
 Checkpoints (``--ckpt-dir``, ``--resume``) hold the adapters and their optimizer state, never the
 NF4 base, and in the run info the base's quantization (:func:`record`). On resume the base is
@@ -23,22 +26,31 @@ world size, e.g. saved on 2 ranks, resumed in one process::
         --strategy single --nproc-per-node 1
 
 * :func:`check` -- what ``--quantize-base`` refuses before any worker starts (one line): other
-  strategies than ``fsdp2`` (HSDP too) and ``single``, ``--tp``, ``--pp``, ``--save-model``.
+  strategies than ``fsdp2`` (HSDP too) and ``single``, ``--tp``, ``--pp``, ``--save-model``,
+  ``--activation-checkpointing op``.
 * :func:`check_sizes` -- each quantized weight splits into whole NF4 blocks on every shard, and
   FSDP2 shards over 2 or more ranks (its one-rank path does not all-gather NF4's parts: one
   process runs ``--strategy single``).
 * :func:`base_linears` -- the linear modules whose weights become NF4.
+* :func:`before_sharding` -- a strategy's ``parallelize`` that quantizes the meta model first.
+* :func:`quantize_into` -- a weight's part (a shard's rows) quantized into its NF4 shard.
 * :func:`after_load` -- a ``ModelSpec.load_weights`` that loads the base, then quantizes it.
 * :func:`record`, :func:`describe` -- a checkpoint's record of the quantized base, and in words.
 """
 
 from __future__ import annotations
 
+import importlib
+import sys
+
+import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
 
 from fsdp2lab.errors import UsageError
 from fsdp2lab.models.lora import is_adapter
-from fsdp2lab.runtime.torch_compat import torchao_nf4
+from fsdp2lab.runtime.torch_compat import local_shape_and_offset, local_tensor, torchao_nf4
 
 BLOCK = 64  # values per absmax block (torchao's to_nf4 default, the QLoRA paper's)
 SCALER_BLOCK = 256  # block scales per double-quantization block (torchao's default)
@@ -66,6 +78,11 @@ def check(cfg) -> None:
         raise UsageError(
             f"--quantize-base does not support {layout} yet: use --strategy fsdp2 (HSDP too) "
             "or single"
+        )
+    if cfg.activation_checkpointing == "op":  # its cache of saved outputs sees NF4 mutated
+        raise UsageError(
+            "--quantize-base does not support --activation-checkpointing op yet: use full or "
+            "selective"
         )
     unsupported = [flag for name, flag in _NOT_YET.items() if getattr(cfg, name)]
     if unsupported:
@@ -112,11 +129,77 @@ def check_sizes(model: nn.Module, units: tuple[str, ...], shards: int, strategy:
 
 
 def quantize_base(model: nn.Module, units: tuple[str, ...]) -> None:
-    """Replace each :func:`base_linears` weight of the materialised ``model`` by its NF4."""
+    """Replace each :func:`base_linears` weight of ``model`` by its NF4. On the meta device (shapes
+    only) one ``to_nf4`` per shape and dtype: the other weights of that shape are ``empty_like``
+    it (torchao quantizes a 70B projection's meta weight in chunks, about 0.1 s each)."""
     _, to_nf4 = nf4_api()
+    on_meta: dict[tuple, torch.Tensor] = {}
     for _, module in base_linears(model, units):
-        weight = to_nf4(module.weight.detach(), BLOCK, SCALER_BLOCK)
-        module.weight = nn.Parameter(weight, requires_grad=False)
+        weight = module.weight.detach()
+        if weight.is_meta:
+            key = (weight.shape, weight.dtype)
+            if key not in on_meta:
+                on_meta[key] = to_nf4(weight, BLOCK, SCALER_BLOCK)
+            nf4 = torch.empty_like(on_meta[key])
+        else:
+            nf4 = to_nf4(weight, BLOCK, SCALER_BLOCK)
+        module.weight = nn.Parameter(nf4, requires_grad=False)
+
+
+def before_sharding(parallelize, units: tuple[str, ...]):
+    """A strategy's ``parallelize`` that first makes the (meta) model's base weights NF4
+    (:func:`quantize_base`: shapes only), so FSDP2 shards NF4 weights; each rank's shard is
+    filled when the weights are loaded (:func:`quantize_into`)."""
+
+    def parallelize_nf4(model: nn.Module, plan, mesh, device) -> nn.Module:
+        quantize_base(model, units)
+        return parallelize(model, plan, mesh, device)
+
+    return parallelize_nf4
+
+
+def is_nf4(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` (or a DTensor's local part) is a torchao NF4Tensor."""
+    if "torchao" not in sys.modules:  # none without torchao imported (nor a search for it)
+        return False
+    local = local_tensor(tensor) if isinstance(tensor, DTensor) else tensor
+    api = torchao_nf4()
+    return not isinstance(api, str) and isinstance(local, api[0])
+
+
+def quantize_into(target: torch.Tensor, values: torch.Tensor) -> None:
+    """Fill ``target``, an NF4 weight or a DTensor of NF4 row shards (its inner tensors as
+    ``to_empty`` left them), from ``values``: the part of the whole weight ``target`` holds, in any
+    float dtype. Equal, bit for bit, to the same part of ``to_nf4`` of the whole weight: the NF4
+    codes and block scales are the part's own (each shard holds whole blocks, :func:`check_sizes`);
+    the scales' mean, the one quantity of the whole weight, is taken over the scales of every
+    shard, all-gathered over the mesh dimension that shards the rows."""
+    nf4_tensor, to_nf4 = nf4_api()
+    block_absmax = importlib.import_module(nf4_tensor.__module__).get_block_absmax
+    local = local_tensor(target) if isinstance(target, DTensor) else target
+    values = values.to(device=local.device, dtype=local.dtype)
+    part = to_nf4(values, BLOCK, SCALER_BLOCK)  # its codes; its scales less its own mean
+    scales = block_absmax(values.flatten(), BLOCK)
+    first = 0
+    if isinstance(target, DTensor):
+        _, offset = local_shape_and_offset(target)
+        first = offset[0] * target.shape[1] // BLOCK
+        for dim, placement in enumerate(target.placements):
+            if isinstance(placement, Shard):
+                group = target.device_mesh.get_group(dim)
+                gathered = [torch.empty_like(scales) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(gathered, scales, group=group)
+                scales = torch.cat(gathered)
+    # The whole weight's double quantization of its scales: a block of one scale is its absmax.
+    quantized, factors, mean = nf4_tensor.double_quantize_scalers(scales, 1, SCALER_BLOCK)
+    count = local.quantized_scalers.numel()
+    local.quantized_data.copy_(part.quantized_data)
+    local.quantized_scalers.copy_(quantized[first : first + count])
+    local.quantization_factor.copy_(
+        factors[first // SCALER_BLOCK : (first + count) // SCALER_BLOCK]
+    )
+    local.scaler_mean = mean  # to_empty leaves the mean and the NF4 levels on the meta device
+    local.nf4 = part.nf4
 
 
 def after_load(load_weights, units: tuple[str, ...]):

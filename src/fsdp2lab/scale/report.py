@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from fsdp2lab.config import TrainConfig
 from fsdp2lab.errors import UsageError
 from fsdp2lab.parallel.fsdp2 import reduces_every_micro_batch
@@ -19,13 +21,15 @@ from fsdp2lab.scale.estimate import (
     Hardware,
     estimate,
 )
+from fsdp2lab.scale.op_trace import nbytes
 from fsdp2lab.scale.simulate import RoleRun, simulate, stage_ranks
 
 MODELLED = (
     "model, mesh (--dp-replicate, --dp-shard, --tp), batch, --seq-len, --grad-accum-steps, "
     "--mixed-precision fp32/bf16, --activation-checkpointing, --reshard-after-forward, "
     "--fsdp-units, --prefetch, --optimizer, --compile (fused elementwise kernels), --pp (each "
-    "stage a rank role) with --pp-schedule gpipe/1f1b and --pp-microbatches; besides the training step, evaluation "
+    "stage a rank role) with --pp-schedule gpipe/1f1b and --pp-microbatches, --lora-rank with "
+    "--quantize-base nf4; besides the training step, evaluation "
     "(--test-batch-size), the --save-model gather and checkpoint saves (--ckpt-dir, "
     "--async-checkpoint)"
 )
@@ -193,6 +197,36 @@ def lora_summary(plan: RunPlan) -> dict:
         "adapter_params": sum(p.numel() for n, p in params if is_adapter(n)),
         "base_params": sum(p.numel() for n, p in params if not is_adapter(n)),
         "base_dtype": "/".join(base_dtypes),
+        **({"quantized": nf4_summary(plan)} if plan.cfg.quantize_base else {}),
+    }
+
+
+def nf4_summary(plan: RunPlan) -> dict:
+    """``--quantize-base``: the base's quantized linear weights, whole, as torchao stores them:
+    their count, values and bytes (packed values, block scales, the scales' factors and mean,
+    the NF4 levels). A weight's bytes are linear in its double-quantization blocks: taken from
+    torchao's ``to_nf4`` of one block and of two (on meta tensors: a whole weight's would loop
+    over it in chunks)."""
+    from fsdp2lab.models import quantize
+
+    _, to_nf4 = quantize.nf4_api()
+
+    def stored(blocks: int) -> int:
+        values = torch.empty(blocks, quantize.VALUES_PER_SCALER_BLOCK, device="meta")
+        weight = to_nf4(values, quantize.BLOCK, quantize.SCALER_BLOCK)
+        return nbytes([getattr(weight, name) for name in weight.__tensor_flatten__()[0]])
+
+    one, two = stored(1), stored(2)
+    linears = quantize.base_linears(plan.meta_model, plan.units)
+    values = sum(module.weight.numel() for _, module in linears)
+    blocks = values // quantize.VALUES_PER_SCALER_BLOCK
+    return {
+        "scheme": plan.cfg.quantize_base,
+        "block": quantize.BLOCK,
+        "scaler_block": quantize.SCALER_BLOCK,
+        "weights": len(linears),
+        "values": values,
+        "bytes": blocks * (two - one) + len(linears) * (2 * one - two),
     }
 
 
@@ -216,6 +250,14 @@ def format_report(r: dict) -> str:
             f"LoRA: rank {lo['rank']}, alpha {lo['alpha']:g} on {','.join(lo['targets'])}: "
             f"{lo['adapter_params']:,} adapter parameters (fp32, trained) on a frozen "
             f"{lo['base_dtype']} base of {lo['base_params']:,} (no gradient, no optimizer state)"
+        )
+    if "quantized" in r.get("lora", {}):
+        q = r["lora"]["quantized"]
+        lines.append(
+            f"base quantized ({q['scheme']}): {q['weights']} linear weights, {q['values']:,} "
+            f"values in {gib_text(q['bytes'])} whole (blocks of {q['block']}, int8 scales "
+            f"double-quantized in blocks of {q['scaler_block']}), gathered a unit at a time and "
+            "dequantized to the compute dtype for each matmul"
         )
     if "pipeline" in r:
         p = r["pipeline"]

@@ -27,6 +27,11 @@ model's stages, tensor-parallelised under ``--tp``, run in turn) instead of infe
 its neighbours as a real run does.
 The bytes sent and received are counted on the ``pp`` mesh dimension.
 
+With ``--quantize-base nf4`` the strategy's ``parallelize`` makes the base's linear weights NF4
+on the meta device before sharding, as ``train``'s does; :func:`load_nf4_shards` then gives each
+shard the parts its loading sets. Each step gathers the NF4 parts and dequantizes every weight
+for its matmuls: those ops are traced, tracked and counted as any other.
+
 Tensors are fake CPU tensors: the machine needs no GPU, and the fake process group runs FSDP2's
 CPU path (no CUDA streams). Attention through ``scaled_dot_product_attention`` takes the CPU
 flash kernel, which saves what the CUDA flash kernel saves (output and log-sum-exp), so its
@@ -42,6 +47,7 @@ import dataclasses
 import functools
 import gc
 import logging
+import warnings
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -53,6 +59,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from fsdp2lab.errors import UsageError
+from fsdp2lab.models import quantize
 from fsdp2lab.models.hf import masks_decided_as_for_real_tensors
 from fsdp2lab.models.materialize import to_empty
 from fsdp2lab.models.spec import logits_of
@@ -64,6 +71,7 @@ from fsdp2lab.runtime.torch_compat import (
     ActiveModulePeaks,
     clear_dtensor_caches,
     dtensor_shape_inference,
+    local_tensor,
     pipeline_checks_local_shards,
 )
 from fsdp2lab.scale.op_trace import Op, OpTrace, nbytes, uncompiled, uncompiled_backward
@@ -717,8 +725,14 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
         # pipeline's log of its stages and the TP plan's name are the trainer's, not the plan's.)
         with _quiet("fsdp2lab.parallel.pp"), _quiet("fsdp2lab.parallel.strategies"):
             model = plan.strategy.parallelize(copy.deepcopy(plan.meta_model), plan, mesh, device)
-        with FakeTensorMode(allow_non_fake_inputs=True), masks_decided_as_for_real_tensors():
+        with (
+            FakeTensorMode(allow_non_fake_inputs=True),
+            masks_decided_as_for_real_tensors(),
+            _nf4_checks_fake_pointers(),
+        ):
             to_empty(model, device)
+            if plan.cfg.quantize_base:
+                load_nf4_shards(model, device)
             optimizer = _unfused(build_optimizer(model.parameters(), plan.cfg))
 
             counter = StepCounter(_group_dims(mesh))
@@ -762,6 +776,20 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
     finally:
         dist.destroy_process_group()
         clear_dtensor_caches()
+
+
+def load_nf4_shards(model, device: torch.device) -> None:
+    """Put on ``device`` the parts of each NF4 weight (``--quantize-base``: made NF4 on the meta
+    device by the strategy's ``parallelize``, then sharded) that ``to_empty`` leaves on the meta
+    device and the run's loading sets (``quantize.quantize_into``: the scales' mean, the NF4
+    levels)."""
+    for param in model.parameters():
+        if quantize.is_nf4(param):
+            local = local_tensor(param) if isinstance(param, DTensor) else param
+            for name in local.__tensor_flatten__()[0]:
+                part = getattr(local, name)
+                if part.is_meta:
+                    setattr(local, name, torch.empty_like(part, device=device))
 
 
 def alike_micro_batches(k: int, counts=()) -> Iterator[int]:
@@ -824,6 +852,15 @@ def frozen_heap():
         yield
     finally:
         gc.unfreeze()
+
+
+@contextlib.contextmanager
+def _nf4_checks_fake_pointers():
+    """Without torch's warning that a fake tensor's data pointer was read: torchao's NF4
+    all-gather compares its output's storages by pointer (equal on fake tensors too)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")
+        yield
 
 
 @contextlib.contextmanager
