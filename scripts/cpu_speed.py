@@ -10,11 +10,14 @@ per-repeat ratios. Time per step is the median between the metrics file's step r
 
     PYTHONPATH=src python scripts/cpu_speed.py              # 18 minutes on a quiet 2-core machine
     PYTHONPATH=src python scripts/cpu_speed.py --no-to-90   # the gpt part only
+    git worktree add ../old COMMIT && PYTHONPATH=src python scripts/cpu_speed.py --no-to-90 \
+        --against ../old/src                                # this tree and COMMIT, interleaved
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
 import statistics
@@ -33,21 +36,23 @@ VARIANTS = {
 }
 
 
-def _run(cmd: list[str]) -> str:
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+def _run(cmd: list[str], src: Path | None = None) -> str:
+    """``cmd``'s output; with ``src``, fsdp2lab imported from that checkout's src/."""
+    env = None if src is None else {**os.environ, "PYTHONPATH": str(src)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         sys.exit(f"cpu_speed: failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-2000:]}")
     return proc.stdout
 
 
-def gpt_step_s(args: argparse.Namespace, variant: str, work: Path) -> float:
+def gpt_step_s(args: argparse.Namespace, variant: str, work: Path, src: Path | None) -> float:
     metrics = work / f"{variant}.jsonl"
     metrics.unlink(missing_ok=True)
     _run([sys.executable, "-m", "fsdp2lab", "train", "--model", "gpt", "--dataset", "synthetic",
           "--max-steps", str(args.steps), "--global-batch-size", "16", "--seq-len", "128",
           "--d-model", str(args.d_model), "--n-heads", "8", "--n-layers", str(args.n_layers),
           "--nproc-per-node", "2", "--progress", "off", "--log-every-steps", str(args.log_every),
-          "--metrics-file", str(metrics), *VARIANTS[variant]])  # fmt: skip
+          "--metrics-file", str(metrics), *VARIANTS[variant]], src)  # fmt: skip
     records = read_metrics(metrics)
     last = [r for r in records if r["event"] == "epoch"][-1]
     return step_time(records) or last["train_time_s"] / max(last["steps"], 1)
@@ -95,18 +100,25 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=90, metavar="PERCENT")
     parser.add_argument("--main-args", type=shlex.split, default=[], help="more flags, one string")
     parser.add_argument("--seed-args", type=shlex.split, default=[], help="the seed's, one string")
+    parser.add_argument("--against", type=Path, metavar="SRC",
+                        help="another checkout's src/ (a git worktree of another commit): its "
+                        "gpt variants run interleaved with these, each against its own DDP")  # fmt: skip
     args = parser.parse_args()
 
-    gpt: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    trees = {"": None}  # label -> the src/ fsdp2lab is imported from (None: this environment's)
+    if args.against is not None:
+        trees[f" @{args.against.resolve().parent.name}"] = args.against.resolve()
+    gpt: dict[str, list[float]] = {name + tree: [] for tree in trees for name in VARIANTS}
     main_s: list[float] = []
     seed_s: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for repeat in range(args.repeats):
-            for name in VARIANTS if args.gpt else ():
-                gpt[name].append(gpt_step_s(args, name, work))
-                print(f"repeat {repeat + 1}: gpt {name} {gpt[name][-1] * 1e3:.1f} ms/step",
-                      file=sys.stderr, flush=True)  # fmt: skip
+            for tree, src in trees.items() if args.gpt else ():
+                for name in VARIANTS:
+                    gpt[name + tree].append(gpt_step_s(args, name, work, src))
+                    print(f"repeat {repeat + 1}: gpt {name + tree} "
+                          f"{gpt[name + tree][-1] * 1e3:.1f} ms/step", file=sys.stderr, flush=True)  # fmt: skip
             if args.to_target:
                 main_s.append(main_job_to_target_s(args, work))
                 seed_s.append(seed_to_target_s(args, work))
@@ -118,9 +130,10 @@ def main() -> None:
         print(f"gpt L{args.n_layers} d{args.d_model}, 2 ranks, {args.steps} steps: ms per step")
         for name, values in gpt.items():
             print(f"  {name:<14} {_median_range(values, 1e3)}")
-        for name in [name for name in VARIANTS if name != "ddp"]:
-            ratios = [a / b for a, b in zip(gpt[name], gpt["ddp"], strict=True)]
-            print(f"  {name + '/ddp':<14} {_median_range(ratios, digits=3)}")
+        for tree in trees:
+            for name in [name for name in VARIANTS if name != "ddp"]:
+                ratios = [a / b for a, b in zip(gpt[name + tree], gpt["ddp" + tree], strict=True)]
+                print(f"  {name + '/ddp' + tree:<14} {_median_range(ratios, digits=3)}")
     if args.to_target:
         ratios = [a / b for a, b in zip(main_s, seed_s, strict=True)]
         print(f"time to {args.target:g}% on Fashion-MNIST: s")

@@ -137,3 +137,21 @@ def test_loopback_store(monkeypatch, takes_listen_fd):
     else:
         assert addresses and not addresses <= LOOPBACK
         assert torch_compat._noticed == {"store-any-interface"}
+
+
+def test_a_store_serves_on_the_listening_socket_it_is_handed():
+    """fsdp2lab's launcher binds the store's port and hands rank 0 the socket: the port is held
+    from the moment it is chosen (no other process can bind it: the control), and the store serves
+    on it."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(socket.SOMAXCONN)
+    port = listener.getsockname()[1]
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(("127.0.0.1", port))
+    server = torch_compat.loopback_store(
+        port, 1, True, timedelta(seconds=30), listen_fd=listener.detach()
+    )
+    client = torch_compat.loopback_store(port, 1, False, timedelta(seconds=30))
+    client.set("k", "v")
+    assert server.port == port and server.get("k") == b"v"

@@ -3,7 +3,7 @@ and quantizes them into its NF4 shard, bit for bit the shard of torchao's ``to_n
 weight (tests/scripts/qlora_sharded.py on 2 gloo ranks; the script also runs HSDP, e.g. 4 ranks
 with ``--dp-replicate 2``; tests/test_qlora.py trains QLoRA on HSDP 2 x 2).
 
-* Random weights (bf16 and fp32, rows of growing scale): ``quantize.quantize_into`` of a rank's
+* Random weights (bf16 and fp32, rows of growing scale): ``nf4.quantize_into`` of a rank's
   rows equals the shard of ``to_nf4`` of the whole weight, inner tensor by inner tensor; the
   negative control, ``to_nf4`` of the rows alone (their own scale mean), does not.
 * A tiny bf16 Llama (``hf:``) built as training builds it: each rank reads (safetensors'

@@ -97,12 +97,14 @@ def test_cpu_time_check_prints_the_plan_beside_the_real_step(tmp_path):
     assert result["profiled"][row]["step"] > 0, line
 
 
-@pytest.mark.slow  # three 2-rank launches
+@pytest.mark.slow  # six 2-rank launches
 def test_cpu_speed_prints_the_ratios_to_ddp():
     """scripts/cpu_speed.py at a tiny size: each strategy's time per step and the ratios to DDP."""
+    src = SCRIPTS.parent / "src"  # --against: another checkout's (here this one's) interleaved
     out = _run(str(SCRIPTS / "cpu_speed.py"), "--repeats", "1", "--steps", "4", "--log-every",
-               "1", "--d-model", "32", "--n-layers", "2", "--no-to-90")  # fmt: skip
-    for name in ("ddp", "fsdp2", "fsdp2-auto"):
-        assert re.search(rf"^  {name} +[\d.]+ \([\d.]+-[\d.]+\)$", out, re.M), out
-    for name in ("fsdp2", "fsdp2-auto"):
-        assert re.search(rf"^  {name}/ddp +\d\.\d{{3}} \(", out, re.M), out
+               "1", "--d-model", "32", "--n-layers", "2", "--no-to-90", "--against", str(src))  # fmt: skip
+    for tree in ("", f" @{src.parent.name}"):
+        for name in ("ddp", "fsdp2", "fsdp2-auto"):
+            assert re.search(rf"^  {name}{tree} +[\d.]+ \([\d.]+-[\d.]+\)$", out, re.M), out
+        for name in ("fsdp2", "fsdp2-auto"):
+            assert re.search(rf"^  {name}/ddp{tree} +\d\.\d{{3}} \(", out, re.M), out

@@ -4,7 +4,7 @@
 
 Each rank writes OUT_DIR/rank<R>.json with:
 
-* ``random``: per dtype, whether ``quantize.quantize_into`` of this rank's rows of a random weight
+* ``random``: per dtype, whether ``nf4.quantize_into`` of this rank's rows of a random weight
   (rows of growing scale, so the shards' own scale means differ) equals the same shard of torchao's
   ``to_nf4`` of the whole weight, inner tensor by inner tensor, bit for bit; and, the negative
   control, whether ``to_nf4`` of the rows alone (their own mean) does.
@@ -30,7 +30,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
 
 from fsdp2lab.config import TrainConfig
-from fsdp2lab.models import hf_weights, quantize
+from fsdp2lab.models import hf_weights, nf4, quantize
 from fsdp2lab.models.hf_weights import base_key
 from fsdp2lab.parallel.strategies import build_model
 from fsdp2lab.plan import resolve
@@ -68,7 +68,7 @@ def random_weights(mesh) -> dict:
         fully_shard(layer, mesh=mesh).to_empty(device="cpu")
         target = layer.weight
         rows_here = distribute_tensor(whole, mesh, target.placements, src_data_rank=None).to_local()
-        quantize.quantize_into(target, rows_here)
+        nf4.quantize_into(target, rows_here)
         reference = shard_of_whole(target, whole)
         own = to_nf4(rows_here, quantize.BLOCK, quantize.SCALER_BLOCK)
         out[str(dtype)] = {

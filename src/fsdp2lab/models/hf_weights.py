@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp2lab.errors import UsageError
 from fsdp2lab.models.materialize import _lookup
+from fsdp2lab.models.nf4 import is_nf4, quantize_into
 from fsdp2lab.runtime.torch_compat import (
     SafeLoadPlanner,
     hf_storage_reader,
@@ -125,8 +126,6 @@ class WeightIndex:
         unparallelised meta model it was copied from (its real non-persistent buffers). Through
         DCP's HuggingFaceStorageReader where it reads slices, else (and NF4 weights, quantized as
         they are read) safetensors' ``get_slice``."""
-        from fsdp2lab.models.quantize import is_nf4
-
         targets = self.targets(model, reference)
         reader = hf_storage_reader()
         with torch.no_grad():
@@ -200,9 +199,7 @@ def _indexed_files(index: Path) -> list[str]:
 
 def _read_into(target: torch.Tensor, file, key: str) -> None:
     """Copy the part of tensor ``key`` that ``target`` holds (a DTensor's local shard) into it
-    (an NF4 shard: quantized, ``quantize.quantize_into``)."""
-    from fsdp2lab.models.quantize import is_nf4, quantize_into
-
+    (an NF4 shard: quantized, ``nf4.quantize_into``)."""
     if target.dim() == 0:
         target.copy_(file.get_tensor(key))
         return

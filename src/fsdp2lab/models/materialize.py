@@ -17,6 +17,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
+from fsdp2lab.models.nf4 import is_nf4, quantize_into
+
 # What fills a tensor with values in place, which a model's constructor runs to initialise its
 # parameters: ``torch.nn.init``'s functions (Hugging Face wraps them while it builds a model, so by
 # name), and the tensor methods they call.
@@ -115,9 +117,7 @@ def _init_module(root: nn.Module, fqn: str, module: nn.Module) -> None:
 
 def _copy_into(target: torch.Tensor, full: torch.Tensor) -> None:
     """Copy the part of ``full`` that this rank holds into ``target`` (a DTensor shard or a plain
-    tensor; an NF4 one: quantized, ``quantize.quantize_into``)."""
-    from fsdp2lab.models.quantize import is_nf4, quantize_into
-
+    tensor; an NF4 one: quantized, ``nf4.quantize_into``)."""
     with torch.no_grad():
         if isinstance(target, DTensor):
             src = full.to(device=target.device_mesh.device_type, dtype=target.dtype)

@@ -10,7 +10,7 @@ Under FSDP2 (HSDP too) the weights are made NF4 on the meta device (:func:`befor
 so FSDP2 shards each by rows with torchao's own split and all-gathers its NF4 parts
 (``NF4Tensor.fsdp_pre/post_all_gather``). Each rank then reads only its rows of the source (an
 ``hf:`` folder's slices, or its part of a seeded module's weights) and quantizes them into its
-shard (:func:`quantize_into`), bit for bit the shard of ``to_nf4`` of the whole weight: so no rank
+shard (``nf4.quantize_into``), bit for bit the shard of ``to_nf4`` of the whole weight: so no rank
 holds more than one whole weight at a time. ``--strategy single`` quantizes the loaded weights
 whole (:func:`after_load`).
 
@@ -33,41 +33,24 @@ world size, e.g. saved on 2 ranks, resumed in one process::
   process runs ``--strategy single``).
 * :func:`base_linears` -- the linear modules whose weights become NF4.
 * :func:`before_sharding` -- a strategy's ``parallelize`` that quantizes the meta model first.
-* :func:`quantize_into` -- a weight's part (a shard's rows) quantized into its NF4 shard.
 * :func:`after_load` -- a ``ModelSpec.load_weights`` that loads the base, then quantizes it.
 * :func:`record`, :func:`describe` -- a checkpoint's record of the quantized base, and in words.
 """
 
 from __future__ import annotations
 
-import importlib
-import sys
-
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
 
 from fsdp2lab.errors import UsageError
 from fsdp2lab.models.lora import is_adapter
-from fsdp2lab.runtime.torch_compat import local_shape_and_offset, local_tensor, torchao_nf4
+from fsdp2lab.models.nf4 import BLOCK, SCALER_BLOCK, VALUES_PER_SCALER_BLOCK, nf4_api
 
-BLOCK = 64  # values per absmax block (torchao's to_nf4 default, the QLoRA paper's)
-SCALER_BLOCK = 256  # block scales per double-quantization block (torchao's default)
-VALUES_PER_SCALER_BLOCK = BLOCK * SCALER_BLOCK  # 16,384: what NF4 quantizes as a whole
 # Flags (config field -> is it set) whose code paths do not handle NF4 weights yet.
 _NOT_YET = {
     "save_model": "--save-model",
 }
 STRATEGIES = ("fsdp2", "single")
-
-
-def nf4_api():
-    """torchao's ``(NF4Tensor, to_nf4)``; UsageError (one line) without a torchao that has them."""
-    api = torchao_nf4()
-    if isinstance(api, str):
-        raise UsageError(api)
-    return api
 
 
 def check(cfg) -> None:
@@ -149,57 +132,13 @@ def quantize_base(model: nn.Module, units: tuple[str, ...]) -> None:
 def before_sharding(parallelize, units: tuple[str, ...]):
     """A strategy's ``parallelize`` that first makes the (meta) model's base weights NF4
     (:func:`quantize_base`: shapes only), so FSDP2 shards NF4 weights; each rank's shard is
-    filled when the weights are loaded (:func:`quantize_into`)."""
+    filled when the weights are loaded (``nf4.quantize_into``)."""
 
     def parallelize_nf4(model: nn.Module, plan, mesh, device) -> nn.Module:
         quantize_base(model, units)
         return parallelize(model, plan, mesh, device)
 
     return parallelize_nf4
-
-
-def is_nf4(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` (or a DTensor's local part) is a torchao NF4Tensor."""
-    if "torchao" not in sys.modules:  # none without torchao imported (nor a search for it)
-        return False
-    local = local_tensor(tensor) if isinstance(tensor, DTensor) else tensor
-    api = torchao_nf4()
-    return not isinstance(api, str) and isinstance(local, api[0])
-
-
-def quantize_into(target: torch.Tensor, values: torch.Tensor) -> None:
-    """Fill ``target``, an NF4 weight or a DTensor of NF4 row shards (its inner tensors as
-    ``to_empty`` left them), from ``values``: the part of the whole weight ``target`` holds, in any
-    float dtype. Equal, bit for bit, to the same part of ``to_nf4`` of the whole weight: the NF4
-    codes and block scales are the part's own (each shard holds whole blocks, :func:`check_sizes`);
-    the scales' mean, the one quantity of the whole weight, is taken over the scales of every
-    shard, all-gathered over the mesh dimension that shards the rows."""
-    nf4_tensor, to_nf4 = nf4_api()
-    block_absmax = importlib.import_module(nf4_tensor.__module__).get_block_absmax
-    local = local_tensor(target) if isinstance(target, DTensor) else target
-    values = values.to(device=local.device, dtype=local.dtype)
-    part = to_nf4(values, BLOCK, SCALER_BLOCK)  # its codes; its scales less its own mean
-    scales = block_absmax(values.flatten(), BLOCK)
-    first = 0
-    if isinstance(target, DTensor):
-        _, offset = local_shape_and_offset(target)
-        first = offset[0] * target.shape[1] // BLOCK
-        for dim, placement in enumerate(target.placements):
-            if isinstance(placement, Shard):
-                group = target.device_mesh.get_group(dim)
-                gathered = [torch.empty_like(scales) for _ in range(dist.get_world_size(group))]
-                dist.all_gather(gathered, scales, group=group)
-                scales = torch.cat(gathered)
-    # The whole weight's double quantization of its scales: a block of one scale is its absmax.
-    quantized, factors, mean = nf4_tensor.double_quantize_scalers(scales, 1, SCALER_BLOCK)
-    count = local.quantized_scalers.numel()
-    local.quantized_data.copy_(part.quantized_data)
-    local.quantized_scalers.copy_(quantized[first : first + count])
-    local.quantization_factor.copy_(
-        factors[first // SCALER_BLOCK : (first + count) // SCALER_BLOCK]
-    )
-    local.scaler_mean = mean  # to_empty leaves the mean and the NF4 levels on the meta device
-    local.nf4 = part.nf4
 
 
 def after_load(load_weights, units: tuple[str, ...]):

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from fsdp2lab.errors import UsageError
 from fsdp2lab.runtime.launch_env import LaunchEnv, export, local_only
+from fsdp2lab.runtime.local_launcher import STORE_FD
 from fsdp2lab.runtime.torch_compat import loopback_store, process_groups, set_group_timeout
 
 
@@ -99,7 +100,11 @@ def _loopback_only(launch: LaunchEnv, timeout: timedelta) -> dist.Store:
     if loopback is not None:  # gloo binds the address of this interface (of the host name if unset)
         os.environ["GLOO_SOCKET_IFNAME"] = loopback
         os.environ["NCCL_SOCKET_IFNAME"] = loopback  # NCCL's bootstrap (data: NVLink, PCIe)
-    store = loopback_store(launch.master_port, launch.world_size, launch.rank == 0, timeout)
+    handed = os.environ.pop(STORE_FD, None)  # the socket fsdp2lab's launcher bound for rank 0
+    listen_fd = int(handed) if handed is not None and launch.rank == 0 else None
+    store = loopback_store(
+        launch.master_port, launch.world_size, launch.rank == 0, timeout, listen_fd
+    )
     os.environ["MASTER_PORT"] = str(store.port)  # the watchdog's client connects there
     return store
 

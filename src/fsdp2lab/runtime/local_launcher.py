@@ -30,9 +30,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The descriptor of the rendezvous store's listening socket, handed to rank 0 (runtime.distributed).
+STORE_FD = "FSDP2LAB_STORE_FD"
+
+
 def launch(nproc: int, argv: list[str]) -> int:
-    """Run ``python -m fsdp2lab *argv`` on ``nproc`` local ranks; return the job's exit code."""
-    port = str(free_port())
+    """Run ``python -m fsdp2lab *argv`` on ``nproc`` local ranks; return the job's exit code.
+
+    The store's port is bound here and its socket handed to rank 0 (``STORE_FD``), so no other
+    process can take the port between choosing it and rank 0's store listening on it."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(socket.SOMAXCONN)
+    port = str(listener.getsockname()[1])
     # As torchrun does: without this, N ranks each start one thread per core and oversubscribe.
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc))
     procs: list[subprocess.Popen] = []
@@ -48,7 +58,13 @@ def launch(nproc: int, argv: list[str]) -> int:
             FSDP2LAB_LAUNCHED_BY="fsdp2lab",
             OMP_NUM_THREADS=threads,
         )
-        procs.append(subprocess.Popen([sys.executable, "-m", "fsdp2lab", *argv], env=env))
+        handed = (listener.fileno(),) if rank == 0 else ()
+        if handed:
+            env[STORE_FD] = str(listener.fileno())
+        procs.append(
+            subprocess.Popen([sys.executable, "-m", "fsdp2lab", *argv], env=env, pass_fds=handed)
+        )
+    listener.close()  # rank 0 holds it
 
     def forward(signum, _frame):  # preemption signals reach every worker
         for p in procs:

@@ -644,19 +644,26 @@ def no_step_outputs(schedule: Any) -> dict[str, bool]:
 
 
 # -------------------------------------------------------------- rendezvous store
-def loopback_store(port: int, world_size: int, is_master: bool, timeout: timedelta) -> Any:
+def loopback_store(
+    port: int, world_size: int, is_master: bool, timeout: timedelta, listen_fd: int | None = None
+) -> Any:
     """A c10d ``TCPStore`` at 127.0.0.1:``port`` whose server listens on loopback only.
 
     Given any host, the server binds every interface; handed a socket bound to 127.0.0.1
-    (``master_listen_fd``) it listens on that one. ``port`` 0: an ephemeral port (``.port``).
+    (``master_listen_fd``) it listens on that one: ``listen_fd``'s, already listening on
+    ``port`` (the launcher's), else one bound here. ``port`` 0: an ephemeral port (``.port``).
     """
     if not is_master:
         return dist.TCPStore("127.0.0.1", port, world_size, False, timeout)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if listen_fd is not None:
+        sock = socket.socket(fileno=listen_fd)
+    else:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", port))
-        sock.listen(socket.SOMAXCONN)
+        if listen_fd is None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", port))
+            sock.listen(socket.SOMAXCONN)
         store = dist.TCPStore(
             "127.0.0.1",
             sock.getsockname()[1],

@@ -59,7 +59,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from fsdp2lab.errors import UsageError
-from fsdp2lab.models import quantize
+from fsdp2lab.models import nf4
 from fsdp2lab.models.hf import masks_decided_as_for_real_tensors
 from fsdp2lab.models.materialize import to_empty
 from fsdp2lab.models.spec import logits_of
@@ -781,10 +781,10 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
 def load_nf4_shards(model, device: torch.device) -> None:
     """Put on ``device`` the parts of each NF4 weight (``--quantize-base``: made NF4 on the meta
     device by the strategy's ``parallelize``, then sharded) that ``to_empty`` leaves on the meta
-    device and the run's loading sets (``quantize.quantize_into``: the scales' mean, the NF4
+    device and the run's loading sets (``nf4.quantize_into``: the scales' mean, the NF4
     levels)."""
     for param in model.parameters():
-        if quantize.is_nf4(param):
+        if nf4.is_nf4(param):
             local = local_tensor(param) if isinstance(param, DTensor) else param
             for name in local.__tensor_flatten__()[0]:
                 part = getattr(local, name)
