@@ -39,7 +39,6 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from peft.tuners.lora import Linear as PeftLinear
 from step_syncs import HostLoader, PerStep
 from torch.distributed.fsdp import FSDPModule
 from torch.utils import _pytree as pytree
@@ -211,7 +210,7 @@ def count_row(flags: list[str], runtime: Runtime, counter: CountOps) -> dict:
             p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad
         ),
         "units": sum(isinstance(m, FSDPModule) for m in modules),
-        "adapters": sum(isinstance(m, PeftLinear) for m in modules),
+        "adapters": sum(_is_adapted(m) for m in modules),
         "loss_chunks": chunks,
     }
 
@@ -230,6 +229,15 @@ def main() -> None:
         if rank == 0:
             print(json.dumps(result))
         dist.destroy_process_group()
+
+
+def _is_adapted(module) -> bool:
+    """A PEFT-adapted linear (PEFT, the hf extra, is imported only where a row uses LoRA)."""
+    if "peft" not in sys.modules:
+        return False
+    from peft.tuners.lora import Linear
+
+    return isinstance(module, Linear)
 
 
 if __name__ == "__main__":
