@@ -215,8 +215,8 @@ def _sum_and_gradient(logits, target, chunk: int, mesh, scale, grad: torch.Tenso
     gradient times ``scale`` (a 0-dim tensor; None: 1) into ``grad``."""
 
     def step(piece: torch.Tensor, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        if mesh is None:
-            return _chunk_sum_and_gradient(piece, t, scale, out)
+        if mesh is None and out.dtype == torch.float32:
+            return _fp32_chunk_sum_and_gradient(piece, t, scale, out)
         with torch.enable_grad(), _context(mesh):
             wide = piece.detach().float().requires_grad_()  # its gradient in fp32
             loss = _piece_sum(wide, t, mesh)
@@ -227,24 +227,20 @@ def _sum_and_gradient(logits, target, chunk: int, mesh, scale, grad: torch.Tenso
     return _each_chunk(step, chunk, logits, target, grad)
 
 
-def _chunk_sum_and_gradient(piece, target, scale, out: torch.Tensor) -> torch.Tensor:
-    """One chunk's summed cross-entropy, by ``F.cross_entropy``'s own kernels on the fp32 chunk
-    (log-softmax, NLL, and their backward), its gradient times ``scale`` written into ``out``
-    by log-softmax's backward itself for fp32 logits; for others computed in fp32 and rounded
-    once as it is copied in (that kernel writes a narrower dtype on CUDA only)."""
-    log_probs = torch.log_softmax(piece.detach().float(), dim=-1)
+def _fp32_chunk_sum_and_gradient(piece, target, scale, out: torch.Tensor) -> torch.Tensor:
+    """One fp32 chunk's summed cross-entropy, by ``F.cross_entropy``'s own kernels (log-softmax,
+    NLL, and their backward), its gradient times ``scale`` written into ``out`` by log-softmax's
+    backward itself: no copy. (That kernel writes a narrower dtype than its input on CUDA only:
+    other dtypes take their gradient in fp32 and round it once as it is copied in.)"""
+    log_probs = torch.log_softmax(piece.detach(), dim=-1)
     with torch.enable_grad():
         wide = log_probs.requires_grad_()
         loss = F.nll_loss(wide, target, reduction="sum")
         (log_probs_grad,) = torch.autograd.grad(loss, wide, scale)
-    direct = out.dtype == torch.float32
-    into = out if direct else torch.empty_like(log_probs)
     # aten's log-softmax backward with an output: the op F.cross_entropy's backward ends with.
     torch.ops.aten._log_softmax_backward_data.out(
-        log_probs_grad, log_probs.detach(), -1, into.dtype, out=into
+        log_probs_grad, log_probs.detach(), -1, out.dtype, out=out
     )
-    if not direct:
-        out.copy_(into)
     return loss.detach()
 
 
