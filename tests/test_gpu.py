@@ -29,7 +29,8 @@ tests/test_offload_devices.py.
 - scripts/gpu_table.py (the table in docs/speed.md, here with 4 of the 16 layers): fsdp2lab's
   FSDP2 makes >= 0.97x the tokens/s of the plain loop with fused AdamW in the same run (a strict
   xfail: 0.93x measured on an H200), and the plan's tracked peak is within 3% of the allocator's
-  peak allocated: two tests of one run.
+  peak allocated: two tests of one run; its ``qlora`` row peaks below its ``lora`` row (marked
+  ``hf`` too: it needs torchao, the qlora extra the hf stage installs).
 
 The dtypes inside forward, the devices of the state and the GPU's peak are seen by torch's global
 hooks in the run's own process (tests/scripts/probed_cli.py).
@@ -345,16 +346,21 @@ def test_nccl_hsdp_on_four_gpus_follows_one(one_gpu, tmp_path):
 # ---------------------------------------------------------------------------- the GPU table
 
 
-@pytest.fixture(scope="module")
-def table_rows(tmp_path_factory) -> dict:
-    """scripts/gpu_table.py at the 1B shape with 4 of its 16 layers (the full table takes minutes)."""
+def gpu_table_rows(folder: Path, rows: str, steps: int, warmup: int) -> dict:
+    """scripts/gpu_table.py's ``rows`` at the 1B shape with 4 of its 16 layers (the full table
+    takes minutes)."""
     pytest.importorskip("transformers")
-    out = tmp_path_factory.mktemp("table") / "rows.json"
-    cmd = [sys.executable, str(SCRIPT), "--layers", "4", "--steps", "20", "--warmup", "8",
-           "--rows", "fsdp2,plain-fused,plan", "--json", str(out)]  # fmt: skip
+    out = folder / "rows.json"
+    cmd = [sys.executable, str(SCRIPT), "--layers", "4", "--steps", str(steps), "--warmup",
+           str(warmup), "--rows", rows, "--json", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def table_rows(tmp_path_factory) -> dict:
+    return gpu_table_rows(tmp_path_factory.mktemp("table"), "fsdp2,plain-fused,plan", 20, 8)
 
 
 def test_gpu_table_the_plan_tracks_fsdp2s_peak(table_rows):
@@ -368,6 +374,17 @@ def test_gpu_table_the_plan_tracks_fsdp2s_peak(table_rows):
 def test_gpu_table_fsdp2_keeps_up_with_the_fused_loop(table_rows):
     fsdp2, fused = table_rows["fsdp2"], table_rows["plain-fused"]
     assert fsdp2["tokens_per_s"] >= 0.97 * fused["tokens_per_s"]
+
+
+@pytest.mark.hf  # torchao: a skip without it is allowed outside the hf stage (tests/skips.py)
+def test_gpu_table_qlora_peaks_below_lora(tmp_path):
+    """The NF4 base (``--strategy single``: one rank's FSDP2 does not gather NF4) against LoRA's
+    base in its storage dtype (``lora.base_dtype``), over 3 steps."""
+    pytest.importorskip("torchao")
+    pytest.importorskip("peft")
+    rows = gpu_table_rows(tmp_path, "lora,qlora", 3, 1)
+    qlora, lora = rows["qlora"]["peak_allocated_bytes"], rows["lora"]["peak_allocated_bytes"]
+    assert qlora < lora, (qlora, lora)
 
 
 def test_gpu_constants_measures_each_constant_of_the_time_model(tmp_path):

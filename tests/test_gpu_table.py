@@ -1,7 +1,8 @@
 """scripts/gpu_table.py (docs/speed.md's GPU table) on the CPU at a tiny size: one row of each kind
-(a ``fsdp2lab train`` run, the plain loop with both optimizers, the plan) in the table and the JSON
-file the GPU stage's checks read (tests/test_gpu.py runs it on a GPU); scripts/gpu_kernels.py's
-kernel table, on a trace shaped as a CUDA one, and its run on the CPU."""
+(a ``fsdp2lab train`` run, QLoRA's, profiled; the plain loop with both optimizers; the plan) in the
+table, the JSON file the GPU stage's checks read (tests/test_gpu.py runs it on a GPU) and the
+kernel tables of ``--profile``; which step records a row's tokens/s takes at each cadence;
+scripts/gpu_kernels.py's kernel table, on a trace shaped as a CUDA one, and its run on the CPU."""
 
 from __future__ import annotations
 
@@ -18,16 +19,20 @@ pytestmark = [pytest.mark.slow, pytest.mark.hf]  # hf: builds the model with tra
 pytest.importorskip("transformers")
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_table.py"
-TINY = ["--hidden", "64", "--intermediate", "128", "--layers", "2", "--heads", "4",
-        "--kv-heads", "2", "--vocab", "512", "--seq-len", "32", "--batch-size", "2",
-        "--synthetic-size", "32", "--steps", "6", "--warmup", "2"]  # fmt: skip
-ROWS = ["fsdp2", "plain", "plain-fused", "plan"]
+TINY = ["--hidden", "128", "--intermediate", "256", "--layers", "2", "--heads", "4",
+        "--kv-heads", "4", "--vocab", "512", "--seq-len", "32", "--batch-size", "2",
+        "--synthetic-size", "32", "--steps", "12", "--warmup", "10"]  # fmt: skip
+ROWS = ["qlora", "plain", "plain-fused", "plan"]
+sys.path.insert(0, str(SCRIPT.parent))
+import gpu_table  # noqa: E402
 
 
 def test_gpu_table_runs_each_kind_of_row_on_cpu(tmp_path):
-    out = tmp_path / "rows.json"
+    pytest.importorskip("torchao")  # the qlora row (the hf stage installs it)
+    pytest.importorskip("peft")
+    out, prof = tmp_path / "rows.json", tmp_path / "prof"
     cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--rows", ",".join(ROWS), *TINY,
-           "--json", str(out)]  # fmt: skip
+           "--json", str(out), "--profile", str(prof)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())
@@ -38,7 +43,11 @@ def test_gpu_table_runs_each_kind_of_row_on_cpu(tmp_path):
     assert rows["plan"]["peak_reserved_bytes"] >= rows["plan"]["peak_allocated_bytes"]
     lines = proc.stdout.splitlines()
     assert lines[0] == "| row | tokens/s | MFU | peak allocated GiB | peak reserved GiB |"
-    assert len(lines) == 2 + len(ROWS) and lines[2].startswith("| fsdp2lab FSDP2, 1 rank | ")
+    assert len(lines) == 2 + len(ROWS)
+    assert lines[2].startswith(f"| {gpu_table.LABELS['qlora']} | ")
+    (head,) = [ln for ln in (prof / "kernels.txt").read_text().splitlines() if ln.startswith("===")]
+    assert head.startswith(f"=== {gpu_table.LABELS['qlora']}: 3 steps; a step: host ")
+    assert (prof / "qlora" / "rank0.pt.trace.json").is_file()
 
 
 def test_gpu_table_refuses_an_unknown_row():
@@ -47,10 +56,45 @@ def test_gpu_table_refuses_an_unknown_row():
     assert proc.returncode == 2 and "unknown rows ['fsdp3']" in proc.stderr
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--rows", "fsdp2-log10", "--steps", "20", "--warmup", "11"],
+         "a step record every 10 steps leaves none after --warmup 11 in --steps 20"),
+        (["--rows", "fsdp2", "--profile", "p", "--warmup", "9"],
+         "--profile records steps 7-9 and writes its trace in step 10's time: --warmup must "
+         "be at least 10"),
+    ],
+)  # fmt: skip
+def test_gpu_table_refuses_a_warm_up_that_leaves_no_record_or_overlaps_the_profile(
+    flags, message, capsys
+):
+    with pytest.raises(SystemExit) as exit_:
+        gpu_table.main(flags)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_gpu_table_refuses_the_qlora_row_without_torchao(monkeypatch, capsys):
+    monkeypatch.setattr(gpu_table.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit) as exit_:
+        gpu_table.main(["--rows", "lora,qlora"])
+    assert exit_.value.code == 2
+    assert "the qlora row needs torchao: pip install -e '.[qlora]'" in capsys.readouterr().err
+
+
+def test_gpu_table_takes_the_records_whose_window_follows_the_warm_up():
+    every_step = [{"step": s, "tokens_per_s": float(s)} for s in range(1, 31)]
+    assert gpu_table.steady_rates(every_step, 10) == [float(s) for s in range(11, 31)]
+    # every 10 steps: the record at step 10 holds steps 1-10, inside the warm-up
+    every_10 = [{"step": s, "tokens_per_s": float(s)} for s in (10, 20, 25)]  # 25: --max-steps
+    assert gpu_table.steady_rates(every_10, 10) == [20.0, 25.0]
+    assert gpu_table.steady_rates(every_10, 8) == [20.0, 25.0]
+    assert gpu_table.steady_rates(every_10, 0) == [10.0, 20.0, 25.0]
+
+
 def test_gpu_kernels_tables_a_cuda_traces_kernels_once_a_step(tmp_path):
     """scripts/gpu_kernels.py's table, on a trace shaped as torch writes a CUDA one: each
     ProfilerStep on the host thread and again on the GPU's lane; kernels overlapping."""
-    sys.path.insert(0, str(SCRIPT.parent))
     import gpu_kernels
 
     events = []
