@@ -280,3 +280,40 @@ def test_prefetch_and_reshard_settings_do_not_change_results(tmp_path, reference
     losses = [r["loss"] for r in read_metrics(metrics) if r["event"] == "step"]
     assert len(losses) == 20
     assert_close_lists(losses, reference["gpt"].step_losses, 1e-5)
+
+
+GLOO_REDUCE = Path(__file__).parent / "scripts" / "check_gloo_reduce.py"
+
+
+@pytest.mark.compat
+def test_gradients_reduced_by_an_all_to_all_equal_gloos_and_send_half(tmp_path):
+    """On gloo (no reduce-scatter: torch all-reduces the whole input), FSDP2's gradients are
+    reduced by an all-to-all and a sum in rank order, where this torch lets FSDP2 take a custom
+    reduce-scatter: 16 AdamW steps give gloo's own losses and shards bit for bit, and each
+    backward writes at least 0.9 x (W-1)/W of the reduced bytes less to its sockets (the kernel's
+    count, /proc/self/io). Elsewhere gloo's reduce-scatter runs, as before."""
+    from torch.distributed.fsdp import FSDPModule
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(GLOO_REDUCE), str(tmp_path)],
+        capture_output=True, text=True, env=cli_env(), timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank-*.json"))]
+    assert [r["rank"] for r in reports] == [0, 1]
+    custom = hasattr(FSDPModule, "set_custom_reduce_scatter")
+    for report in reports:
+        assert report["losses_equal"] and report["params_equal"]
+        assert report["losses"][-1] != report["losses"][0]
+        checks = report["function"]  # max: gloo's own reduce-scatter, which 2.8's sums
+        assert all(v for k, v in checks.items() if custom or k != "max"), checks
+        gloo, ours = report["collectives"]["gloo"], report["collectives"]["all_to_all"]
+        reduced = gloo["gloo:all_reduce"]  # [calls, input elements]: one per unit
+        assert reduced[0] == 4
+        if not custom:
+            assert ours == gloo | {"backward_bytes_written": ours["backward_bytes_written"]}
+            continue
+        assert "gloo:all_reduce" not in ours and ours["gloo:all_to_all"] == reduced
+        saved = gloo["backward_bytes_written"] - ours["backward_bytes_written"]
+        assert saved >= 0.9 * reduced[1] * 4 / 2, (saved, reduced)

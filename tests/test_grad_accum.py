@@ -53,7 +53,7 @@ def test_plan_shows_what_reducing_every_micro_batch_saves():
     runs = {}
     for mode in ("every", "last"):
         cfg = TrainConfig(**{**base.__dict__, "grad_accum_reduce": mode})
-        runs[mode] = simulate(resolve(cfg, 8), device_type="cpu")
+        runs[mode] = simulate(resolve(cfg, 8))
     every, last = runs["every"], runs["last"]
     assert every.state == last.state
     assert every.peak_by_category["unsharded_grads"] == 0

@@ -65,8 +65,9 @@ def measure(world: int, flags: list[str]) -> list[dict]:
 
 def on_gloo(plan, role) -> dict[str, list[int]]:
     """The plan's collectives as gloo runs them, summed over mesh dimensions: {kind: [calls,
-    input bytes]}. gloo has no reduce-scatter: torch runs it as an all-reduce of its input; an
-    all-gather's input is 1/n of the output the plan counts."""
+    input bytes]}. gloo has no reduce-scatter: torch runs one as an all-reduce of its input (where
+    FSDP2 takes no custom reduce-scatter: torch 2.8); an all-gather's input is 1/n of the output
+    the plan counts."""
     sizes = dict(plan.dims.named_dims())
     out: dict[str, list[int]] = {}
     for dim, kinds in role.comm.items():
@@ -86,7 +87,7 @@ def _add(comm: dict, extra: dict) -> dict:
 # (world, flags, collectives the plan leaves out, plan peak / real peak for each stage). The
 # ratio is this machine's: the plan tracks tensors as FSDP2's memory tracker sees them, the real
 # run counts every block the step's code allocates; each case is pinned to its own, within 2%
-# (mlp's and cnn's traced: test_mlp_and_cnn_gaps_are_hidden_blocks_and_the_plans_input_batch).
+# (mlp's and cnn's traced: test_mlp_and_cnn_gaps_are_the_plans_input_batch_and_hidden_blocks).
 CASES = [
     pytest.param(2, GPT, {}, (1.000,), id="gpt-fsdp2-2", marks=pytest.mark.slow),
     pytest.param(2, USER, {}, (1.009,), id="user-fsdp2-2", marks=pytest.mark.slow),
@@ -114,8 +115,8 @@ CASES = [
         id="gpt-fsdp2-2-op-bf16",
         marks=pytest.mark.slow,
     ),  # fmt: skip
-    pytest.param(2, MLP, {}, (0.937,), id="mlp-fsdp2-2", marks=pytest.mark.slow),
-    pytest.param(2, CNN, {}, (0.931,), id="cnn-fsdp2-2", marks=pytest.mark.slow),
+    pytest.param(2, MLP, {}, (1.029,), id="mlp-fsdp2-2", marks=pytest.mark.slow),
+    pytest.param(2, CNN, {}, (1.002,), id="cnn-fsdp2-2", marks=pytest.mark.slow),
     pytest.param(
         4,
         [*USER, "--dp-replicate", "2"],
@@ -183,18 +184,27 @@ def test_plan_matches_real_trainer(world, flags, left_out, ratios):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flags", [MLP, CNN], ids=["mlp", "cnn"])
-def test_mlp_and_cnn_gaps_are_hidden_blocks_and_the_plans_input_batch(flags):
-    """Where the mlp's and cnn's plan/real ratios (0.937, 0.931) come from: the real peak
-    without the blocks an operator allocates inside its own C++ code (gloo's staging copy of a
-    reduce-scatter's input; convolution backward's workspace: ``scale_measure.hidden_ranges``) is
-    the plan's peak less its ``inputs``, the batch the plan tracks beside the one the step
-    draws, exactly."""
+def test_mlp_and_cnn_gaps_are_the_plans_input_batch_and_hidden_blocks(flags):
+    """Where the mlp's and cnn's plan/real ratios (1.029, 1.002) come from: the real peak is the
+    plan's peak less its ``inputs``, the batch the plan tracks beside the one the step draws, and
+    the 512 bytes of unsharded gradients the plan holds there, exactly; no block allocated inside
+    an operator's own C++ code is live at it (``scale_measure.hidden_ranges``). Where FSDP2 takes
+    no custom reduce-scatter (torch 2.8), gloo's staging copy of the reduce-scatter's input (and
+    the cnn's convolution backward workspace) is: the peak seen without those blocks is then the
+    plan's less its ``inputs``."""
+    from torch.distributed.fsdp import FSDPModule
+
     plan = simulate(plan_of(2, flags), device_type="cpu")
     (real,) = measure(2, flags)
     assert plan.peak_by_category["inputs"] == 16 * 28 * 28 * 4  # one batch of 16 images
+    beside = plan.peak_bytes - plan.peak_by_category["inputs"]
     for step in real["steps"]:
-        assert step["seen_peak_bytes"] < step["peak_bytes"]
-        assert step["seen_peak_bytes"] == plan.peak_bytes - plan.peak_by_category["inputs"]
+        if hasattr(FSDPModule, "set_custom_reduce_scatter"):
+            assert plan.peak_by_category["unsharded_grads"] == 512
+            assert step["seen_peak_bytes"] == step["peak_bytes"] == beside - 512
+        else:
+            assert step["seen_peak_bytes"] < step["peak_bytes"]
+            assert step["seen_peak_bytes"] == beside
 
 
 def test_plan_state_equals_trainer_metrics(tmp_path):
@@ -239,7 +249,8 @@ def test_plan_json_at_scale():
     proc = run_cli(["plan", *GPT, *flags])
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout)
-    assert r["not_modelled"] == ["--cpu-offload (the plan keeps state on the GPU)"]
+    assert r["not_modelled"] == []  # --cpu-offload: the state on the host (test_plan_offload)
+    assert r["host_bytes_per_rank"] == r["state_bytes_per_rank"]
     for key in ("peak_bytes_per_rank", "state_bytes_per_rank", "comm_bytes_per_step", "step_s",
                 "tokens_per_s_per_gpu", "mfu", "fits"):  # fmt: skip
         assert key in r, key

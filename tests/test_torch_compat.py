@@ -34,6 +34,7 @@ from fsdp2lab.runtime.torch_compat import (
     notice,
     pipeline_step,
     process_groups,
+    set_custom_reduce_scatter,
     set_group_timeout,
     set_unshard_async_op,
 )
@@ -106,6 +107,26 @@ def test_unshard_async_op_set_where_present_else_one_notice(mesh, monkeypatch, c
     assert set_unshard_async_op(model, True) is False
     assert _lines(capsys.readouterr().out, "_set_unshard_async_op") == 1
     model(torch.randn(3, 4)).sum().backward()  # still runs, synchronously
+
+
+def test_custom_reduce_scatter_set_where_present_else_one_notice(mesh, monkeypatch, capsys):
+    """Where FSDP2 takes a custom reduce-scatter, it calls ours; else gloo's own runs, one notice."""
+    calls = []
+    model = _sharded(mesh)
+    if not hasattr(FSDPModule, "set_custom_reduce_scatter"):  # torch 2.8
+        assert set_custom_reduce_scatter(model, lambda *args: calls.append(args)) is False
+        assert _lines(capsys.readouterr().out, "set_custom_reduce_scatter") == 1
+        return
+    for module in (model, model[0]):
+        assert set_custom_reduce_scatter(module, lambda *args: calls.append(args)) is True
+    comm = model[0]._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm
+    out, inp = comm.allocate((2,), dtype=torch.float32, device=torch.device("cpu")), torch.ones(4)
+    comm(output_tensor=out, input_tensor=inp, group=None, op=dist.ReduceOp.SUM)
+    assert calls == [(out, inp, None, dist.ReduceOp.SUM)] and capsys.readouterr().out == ""
+    monkeypatch.delattr(FSDPModule, "set_custom_reduce_scatter")
+    assert set_custom_reduce_scatter(model, print) is False
+    assert set_custom_reduce_scatter(model, print) is False
+    assert _lines(capsys.readouterr().out, "set_custom_reduce_scatter") == 1
 
 
 def test_flatten_mesh_where_present_else_one_notice(mesh, capsys):

@@ -5,9 +5,10 @@ backward, fused AdamW, ``zero_grad``), one CPU rank; under torchrun, the trainer
 
 A ``TorchDispatchMode`` sees every op at the top of the dispatcher (a DTensor op once, as itself)
 and files it under the part of the step that issued it: ``backward`` (inside autograd's engine,
-outside FSDP2's hooks and the loss's own gradients), ``fsdp2`` (``torch.distributed.fsdp``),
-``dtensor``, ``optimizer`` (``torch.optim``), and fsdp2lab's own modules (``loss``,
-``nan_guard``, ``grad_norm``, ``step_records``, ``trainer``, ...), else ``forward`` (the model,
+outside FSDP2's hooks and the loss's own gradients), ``fsdp2`` (``torch.distributed.fsdp``, and
+fsdp2lab's ``parallel/fsdp2.py``: its reduce-scatter on gloo), ``dtensor``, ``optimizer`` (``torch.optim``), and fsdp2lab's own modules (``loss``,
+``nan_guard``, ``grad_norm``, ``step_records``, ``trainer``, ...; ``runtime/torch_compat.py``'s shims take their caller's),
+else ``forward`` (the model,
 also a library's: transformers, PEFT). The data loader's work on the host is left out
 (``step_syncs.HostLoader``). The plain loop runs two steps (the optimizer state made), then one
 counted; the trainer runs ``fit`` over 5 steps with a record every 4, counted per step as
@@ -73,6 +74,10 @@ def part_of(frame) -> str:
                 if rel.startswith(prefix):
                     return part
         elif path.is_relative_to(SRC):
+            if path.stem == "torch_compat":  # a shim: its caller's part
+                continue
+            if path.stem == "fsdp2":  # fsdp2lab's FSDP2 machinery (gloo's reduce-scatter)
+                return "fsdp2"
             if in_backward and path.stem != "loss":  # the loss's own gradients are the loss's
                 return "backward"
             rel = path.relative_to(SRC)

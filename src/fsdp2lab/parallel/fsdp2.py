@@ -7,6 +7,7 @@ is HSDP: parameters are sharded within a replica group and replicated across gro
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
@@ -18,7 +19,7 @@ from torch.distributed.fsdp import (
 )
 
 from fsdp2lab.parallel.precision import DTYPES
-from fsdp2lab.runtime.torch_compat import set_unshard_async_op
+from fsdp2lab.runtime.torch_compat import set_custom_reduce_scatter, set_unshard_async_op
 
 
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
@@ -48,12 +49,16 @@ def apply_fsdp(
     unit_policy: str = "layer",
     unit_min_params: int | None = None,
     reduce_every_micro_batch: bool = False,
+    reduce_by_all_to_all: bool = False,
 ) -> nn.Module:
     """Shard the units (grouped by ``unit_policy``), the ``head`` modules as one more unit where
     they hold ``unit_min_params`` (a large vocabulary's projection: its gradient is then reduced
     and freed before the layers' backward, not held to the end of the step by the root), then the
     root, which takes the parameters no unit holds. The root and the last unit keep their
     parameters gathered from forward to backward, which needs them first.
+
+    ``reduce_by_all_to_all`` (gloo): gradients are reduced by
+    :func:`all_to_all_reduce_scatter`.
 
     ``prefetch`` > 0 sets explicit prefetching: each unit's forward all-gathers the next
     ``prefetch`` units, and its backward the previous ones (on CPU, asynchronously, so that they
@@ -84,6 +89,10 @@ def apply_fsdp(
     )
     if dp_mesh.device_type == "cpu":
         reduce_with_sum(model)
+    if reduce_by_all_to_all:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                set_custom_reduce_scatter(module, all_to_all_reduce_scatter)
     setattr(model, _REDUCE_EVERY, reduce_every_micro_batch)
     if prefetch > 0:
         set_prefetch([g[0] for g in groups], prefetch)
@@ -105,6 +114,23 @@ def reduce_with_sum(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
+
+
+def all_to_all_reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp
+) -> None:
+    """A reduce-scatter of ``input`` into ``output`` by the moves a reduce-scatter makes.
+
+    gloo has no reduce-scatter: torch runs one as an all-reduce of the whole input, which moves
+    twice the bytes. Here an all-to-all sends each rank the chunks of ``input`` it reduces, and
+    the rank sums them in rank order.
+    """
+    if op != dist.ReduceOp.SUM:
+        dist.reduce_scatter_tensor(output, input, op=op, group=group)
+        return
+    received = torch.empty_like(input)
+    dist.all_to_all_single(received, input, group=group)
+    torch.sum(received.view(dist.get_world_size(group), -1), dim=0, out=output)
 
 
 def default_unit_min_params(device_type: str) -> int:

@@ -103,6 +103,7 @@ def _fsdp2(model: nn.Module, plan: RunPlan, mesh: DeviceMesh, device: torch.devi
         reduce_every_micro_batch=fsdp2.reduces_every_micro_batch(
             cfg.grad_accum_reduce, plan.dims.dp_shard
         ),
+        reduce_by_all_to_all=plan.device_type == "cpu",  # gloo's reduce-scatter all-reduces
     )
 
 

@@ -142,6 +142,33 @@ def set_unshard_async_op(module: FSDPModule, enabled: bool) -> bool:
     return True
 
 
+def set_custom_reduce_scatter(module: FSDPModule, reduce_scatter: Callable) -> bool:
+    """FSDP2 reduces ``module``'s gradients by ``reduce_scatter(output, input, group, op)``
+    (``FSDPModule.set_custom_reduce_scatter``, torch 2.9 on); False, with one notice, where this
+    torch has no such hook (its own reduce-scatter runs)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    except ImportError:
+        ReduceScatter = None
+    if ReduceScatter is None or not hasattr(module, "set_custom_reduce_scatter"):
+        notice(
+            "custom-reduce-scatter",
+            "this torch's FSDP2 has no set_custom_reduce_scatter: gradients are reduced by the "
+            "process group's reduce-scatter (on gloo an all-reduce: twice the bytes)",
+        )
+        return False
+
+    class _Call(ReduceScatter):
+        def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False) -> None:
+            reduce_scatter(output_tensor, input_tensor, group, op)
+
+    module.set_custom_reduce_scatter(_Call())
+    return True
+
+
 # ---------------------------------------------------------------------------- DTensor
 def local_tensor(dtensor: Any) -> torch.Tensor:
     """The tensor a DTensor holds on this rank: the same object at every call, no autograd."""

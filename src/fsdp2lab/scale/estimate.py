@@ -15,6 +15,11 @@ state, every collective's bytes, FLOPs, every op in order. Estimated here, each 
   on the streams FSDP2 and c10d put it on, with the host's launches; collectives' ring bytes per
   rank over NVLink where a mesh dimension's ranks share a node (``--nproc-per-node`` consecutive
   ranks), else over ``--inter-node-gbs``, plus a latency per call; the optimizer's bytes.
+* ``--cpu-offload`` (:func:`offload_time`): the shards copied to the GPU and the gradients
+  copied back at the GPU's PCIe rate per direction (``gpus.H2D_SHARE`` / ``D2H_SHARE`` of its
+  line rate), added to the step (not overlapped), and the optimizer stepping on the host instead:
+  its bytes at the node's host memory bandwidth shared by the node's ranks, where known
+  (``GPU.host_memory_gbs``); else the host's step is uncharacterized and left out.
 * pipeline (``--pp``): a stage computes its micro-batches in turn, and GPipe and 1F1B both leave
   it idle for P - 1 micro-batches' time (filling and draining the pipeline): the bubble,
   (P - 1) / (n + P - 1) of the step's compute, i.e. the stage's compute x (P - 1) / n.
@@ -25,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fsdp2lab.scale.gpus import GPU
+from fsdp2lab.scale.gpus import D2H_SHARE, GPU, H2D_SHARE
 from fsdp2lab.scale.timing import compute_floor_s, step_time
 
 if TYPE_CHECKING:  # importing them imports torch: ``fsdp2lab plan --help`` goes without it
@@ -75,7 +80,7 @@ ALLOCATOR_MODEL = (
 def reserved_bytes(run: RoleRun, phase: Phase | None = None) -> int:
     """The caching allocator's reserved memory for ``run``'s training step (or ``phase``), by the
     model in the module's docstring."""
-    grads = run.state.get("grad_bytes", 0)
+    grads = 0 if run.offload else run.state.get("grad_bytes", 0)  # offloaded: on the host
     peak, by_category = (
         (run.peak_bytes, run.peak_by_category)
         if phase is None
@@ -111,15 +116,13 @@ def phase_figures(run: RoleRun, hw: Hardware) -> list[dict]:
 
 def _fused_optimizer_bytes(plan: RunPlan, run: RoleRun) -> int | None:
     """What a fused optimizer step reads and writes (parameters, gradients, state once; the
-    parameters and state written back); None for the others (timed from their ops)."""
+    parameters and state written back); None for the others (timed from their ops). It steps
+    the parameters that have gradients (not a LoRA's frozen base), as many bytes as their
+    gradients, which take their dtype."""
     if plan.cfg.optimizer not in ("adam", "adamw"):
         return None
     state = run.state
-    return (
-        2 * state.get("param_bytes", 0)
-        + state.get("grad_bytes", 0)
-        + 2 * state.get("optimizer_state_bytes", 0)
-    )
+    return 3 * state.get("grad_bytes", 0) + 2 * state.get("optimizer_state_bytes", 0)
 
 
 def estimate(plan: RunPlan, run: RoleRun, hw: Hardware) -> dict:
@@ -157,7 +160,11 @@ def estimate(plan: RunPlan, run: RoleRun, hw: Hardware) -> dict:
     compute_s = sum(t.busy.values())
     stages, n = plan.dims.pp, plan.n_microbatches
     bubble_s = compute_s * (stages - 1) / n  # (P - 1) / (n + P - 1) of compute + bubble
-    step_s = t.step_s + bubble_s
+    optimizer_s, offload = t.optimizer_s, {}
+    if run.offload:
+        offload = offload_time(plan, run, hw)
+        optimizer_s = offload["host_optimizer_s"] or 0.0
+    step_s = t.step_s - t.optimizer_s + optimizer_s + offload.get("copies_s", 0.0) + bubble_s
     model_flops = 3 * run.forward_flops  # forward + backward (2x), no recomputation
     per_gpu, mfu = throughput(plan, hw, step_s, model_flops)
     return {
@@ -190,11 +197,42 @@ def estimate(plan: RunPlan, run: RoleRun, hw: Hardware) -> dict:
             "comm_s": t.comm,
             "exposed_comm_s": t.exposed_comm_s,
             "pipeline_bubble_s": bubble_s,
-            "optimizer_s": t.optimizer_s,
+            "optimizer_s": optimizer_s,
             "step_s": step_s,
         },
+        **({"offload": offload} if offload else {}),
         "tokens_per_s_per_gpu": per_gpu,
         "mfu": mfu,
+    }
+
+
+def offload_time(plan: RunPlan, run: RoleRun, hw: Hardware) -> dict:
+    """``--cpu-offload``'s figures for ``run`` (its ``offload`` bytes): the host's memory, the
+    copies each way and their time at the GPU's PCIe rates, and the optimizer's step on the host:
+    its bytes (a fused Adam(W)'s, else its ops') and time where the host's memory bandwidth is
+    known (the node's, shared by the ranks on it), else None."""
+    gpu = hw.gpu
+    h2d_gbs = gpu.pcie_gbs * H2D_SHARE if gpu.pcie_gbs else None
+    d2h_gbs = gpu.pcie_gbs * D2H_SHARE if gpu.pcie_gbs else None
+    fused = _fused_optimizer_bytes(plan, run)
+    optimizer_bytes = (
+        fused if fused is not None else sum(op.bytes for op in run.ops if op.optimizer)
+    )
+    host_gbs = None
+    if gpu.host_memory_gbs:
+        host_gbs = gpu.host_memory_gbs / min(hw.nproc_per_node, plan.world_size)
+    o = run.offload
+    copies_s = (
+        o["h2d_bytes"] / (h2d_gbs * 1e9) + o["d2h_bytes"] / (d2h_gbs * 1e9) if h2d_gbs else 0.0
+    )
+    return {
+        **o,
+        "h2d_gbs": h2d_gbs,
+        "d2h_gbs": d2h_gbs,
+        "copies_s": copies_s,
+        "host_optimizer_bytes": optimizer_bytes,
+        "host_memory_gbs_per_rank": host_gbs,
+        "host_optimizer_s": optimizer_bytes / (host_gbs * 1e9) if host_gbs else None,
     }
 
 

@@ -73,6 +73,24 @@ H100_96GB_MSMF = H100_MSMF * (989.0 + 835.0) / 2 / 989.0
 # floor whose value does not carry to another system. The line rate.
 DEFAULT_INTER_NODE_GBS = 50.0
 
+# Copies between host and GPU (``--cpu-offload``): a PCIe x16 link's line rate per direction
+# (PCIe 5.0: 32 GT/s x 16 lanes, 128b/130b: 63.0 GB/s; PCIe 4.0: 31.5), and the share of it that
+# pinned copies achieve, measured on an H100 SXM node: "Host to Device (H2D) | 54.8", "Device to
+# Host (D2H) | 46.8" GB/s of "PCIe 5.0 x16 (63 GB/s theoretical)" (Voltage Park, the source of
+# COPY_SHARE: results/stream_nvbench/stream_nvbench_summary.md, the peak over transfer sizes, as
+# its D2D figure; its D2H falls to 20.5 GB/s above 2 MB, which it puts down to pinned memory on
+# the other NUMA node). Taken for every GPU, at its own PCIe generation's line rate.
+PCIE5_X16_GBS = 63.0
+PCIE4_X16_GBS = 31.5
+H2D_SHARE = 54.8 / 63.0
+D2H_SHARE = 46.8 / 63.0
+# The host's memory bandwidth, which an optimizer stepping on the host (``--cpu-offload``) is
+# bound by: STREAM Triad on the same H100 node's two Xeon Platinum 8470, "Triad | 486.7" GB/s
+# (same file), shared by the node's ranks. The H100 and H200 nodes of HGX boards carry such
+# two-socket hosts: that figure for them; for the others' hosts it is uncharacterized (None),
+# and a plan leaves the host's step out of their time and says so.
+HOPPER_NODE_HOST_GBS = 486.7
+
 
 @dataclass(frozen=True)
 class GPU:
@@ -87,6 +105,8 @@ class GPU:
     attention_efficiency: float  # flash attention's achieved / peak bf16 FLOP/s
     tile: tuple[int, int] = MATMUL_TILE  # a matmul's output tile: (1, 1) where there are no waves
     launch_s: float = LAUNCH_S  # the host's time to issue one op
+    pcie_gbs: float | None = None  # its host link's line rate per direction, GB/s
+    host_memory_gbs: float | None = None  # its node's host memory bandwidth, GB/s (None: unknown)
     # The host thread that issues a kernel runs it (a CPU): no op overlaps another, and a step
     # takes the sum of every op's launch and run.
     host_runs_kernels: bool = False
@@ -96,7 +116,8 @@ GPUS: dict[str, GPU] = {
     g.name: g
     for g in (
         # https://www.nvidia.com/en-us/data-center/h100/ (H100 SXM: 80 GB, 1,979 TFLOPS bf16
-        # with sparsity = 989 dense, 3.35 TB/s, NVLink 900 GB/s both directions)
+        # with sparsity = 989 dense, 3.35 TB/s, NVLink 900 GB/s both directions, "PCIe Gen5:
+        # 128GB/s" both directions)
         GPU(
             "h100",
             "NVIDIA H100 SXM 80 GB",
@@ -107,11 +128,14 @@ GPUS: dict[str, GPU] = {
             132,
             H100_MSMF,
             HOPPER_ATTENTION,
+            pcie_gbs=PCIE5_X16_GBS,
+            host_memory_gbs=HOPPER_NODE_HOST_GBS,
         ),
         # The 96 GB HBM2e SXM H100 of torchtitan's benchmarks
         # (https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md:
         # "96GB HBM2e with 2.4 TB/sec peak memory bandwidth", NVLink, 500 W); torchtitan's MFU
-        # takes the SXM's 989 TFLOPS for it (its true peak, it says, lies between SXM and NVL).
+        # takes the SXM's 989 TFLOPS for it (its true peak, it says, lies between SXM and NVL);
+        # Hopper's PCIe 5.0.
         GPU(
             "h100-96gb",
             "NVIDIA H100 96 GB HBM2e",
@@ -122,10 +146,12 @@ GPUS: dict[str, GPU] = {
             132,
             H100_96GB_MSMF,
             HOPPER_ATTENTION,
+            pcie_gbs=PCIE5_X16_GBS,
+            host_memory_gbs=HOPPER_NODE_HOST_GBS,
         ),
         # https://www.nvidia.com/en-us/data-center/h200/ (141 GB, 989 TFLOPS bf16 dense,
-        # 4.8 TB/s, NVLink 900 GB/s). Measured on one (700 W, torch 2.11.0+cu130) by
-        # scripts/gpu_constants.py after 15 s of matmuls: matmuls at up to
+        # 4.8 TB/s, NVLink 900 GB/s, "PCIe Gen5: 128GB/s"). Measured on one (700 W, torch
+        # 2.11.0+cu130) by scripts/gpu_constants.py after 15 s of matmuls: matmuls at up to
         # 682.6 TFLOP/s at the models' shapes (MSMF 698.6), copies at 4.25 TB/s, causal flash
         # attention at 42% of the peak, an op launched in 9.4 us.
         GPU(
@@ -139,10 +165,12 @@ GPUS: dict[str, GPU] = {
             682.6,
             0.42,
             launch_s=9.4e-6,
+            pcie_gbs=PCIE5_X16_GBS,
+            host_memory_gbs=HOPPER_NODE_HOST_GBS,
         ),
         # https://www.nvidia.com/en-us/data-center/hgx/ (HGX B200: 8 GPUs, 1.4 TB memory,
         # 18 PFLOPS fp16/bf16 with sparsity = 2.25 dense per GPU, 62 TB/s HBM = 7.7 per GPU,
-        # NVLink 5: 1.8 TB/s per GPU both directions)
+        # NVLink 5: 1.8 TB/s per GPU both directions; PCIe 5.0 to the host)
         GPU(
             "b200",
             "NVIDIA B200 180 GB",
@@ -153,9 +181,10 @@ GPUS: dict[str, GPU] = {
             148,
             B200_MSMF,
             HOPPER_ATTENTION,
+            pcie_gbs=PCIE5_X16_GBS,
         ),
         # https://www.nvidia.com/en-us/data-center/a100/ (A100 40 GB SXM: 312 TFLOPS bf16 dense,
-        # 1,555 GB/s; 80 GB SXM: 2,039 GB/s; NVLink 600 GB/s)
+        # 1,555 GB/s; 80 GB SXM: 2,039 GB/s; NVLink 600 GB/s; "PCIe Gen4: 64 GB/s")
         GPU(
             "a100-40gb",
             "NVIDIA A100 SXM 40 GB",
@@ -166,6 +195,7 @@ GPUS: dict[str, GPU] = {
             108,
             A100_MAMF,
             AMPERE_ATTENTION,
+            pcie_gbs=PCIE4_X16_GBS,
         ),
         GPU(
             "a100",
@@ -177,9 +207,11 @@ GPUS: dict[str, GPU] = {
             108,
             A100_MAMF,
             AMPERE_ATTENTION,
+            pcie_gbs=PCIE4_X16_GBS,
         ),
         # https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html (192 GB HBM3,
-        # 1,307.4 TFLOPS bf16 dense, 5.3 TB/s, 896 GB/s Infinity Fabric peer bandwidth)
+        # 1,307.4 TFLOPS bf16 dense, 5.3 TB/s, 896 GB/s Infinity Fabric peer bandwidth, PCIe 5.0
+        # x16 to the host)
         GPU(
             "mi300x",
             "AMD Instinct MI300X 192 GB",
@@ -190,6 +222,27 @@ GPUS: dict[str, GPU] = {
             304,
             MI300X_MAMF,
             HOPPER_ATTENTION,
+            pcie_gbs=PCIE5_X16_GBS,
+        ),
+        # A 24 GB consumer GPU (Answer.AI's FSDP-QLoRA trains a 70B on two 24 GB gaming GPUs,
+        # https://www.answer.ai/posts/2024-03-06-fsdp-qlora.html): NVIDIA Ada GPU Architecture
+        # whitepaper, Appendix A, GeForce RTX 4090: 128 SMs, 24 GB GDDR6X (the driver
+        # reports 24,564 MiB), 1,008 GB/s, "Peak BF16 Tensor TFLOPS with FP32 Accumulate
+        # 165.2/330.4" (dense/sparse), PCIe 4.0 x16, no NVLink. Uncharacterized, with what
+        # stands in: its sustained matmul rate (the peak), flash attention's share (Ampere's,
+        # whose FlashAttention-2 kernels it runs), NCCL between two of them (through the host
+        # over PCIe: the PCIe 4.0 x16 line rate), its host's memory bandwidth (none: a desktop's).
+        GPU(
+            "rtx4090",
+            "NVIDIA GeForce RTX 4090 24 GB",
+            24564 / 1024,
+            165.2,
+            1.008 * COPY_SHARE,
+            PCIE4_X16_GBS,
+            128,
+            165.2,
+            AMPERE_ATTENTION,
+            pcie_gbs=PCIE4_X16_GBS,
         ),
     )
 }

@@ -150,7 +150,7 @@ class OpTrace:
         # being reused by another storage while the trace lives (however that one is made)
         self._seen: dict[int, StorageWeakRef] = {}
 
-    def _storage(self, t: torch.Tensor) -> int:
+    def storage(self, t: torch.Tensor) -> int:
         """A key for ``t``'s storage: its address, which no other storage takes while the trace
         lives."""
         storage = t.untyped_storage()
@@ -195,8 +195,8 @@ class OpTrace:
                 kind,
                 flops,
                 sum(read) + sum(written),
-                tuple(self._storage(t) for t in ins),
-                tuple(self._storage(t) for t in outs),
+                tuple(self.storage(t) for t in ins),
+                tuple(self.storage(t) for t in outs),
                 read,
                 written,
                 optimizer=self.optimizer,
@@ -214,8 +214,8 @@ class OpTrace:
                 "collective",
                 0,
                 nbytes(ins) + nbytes(outs),
-                tuple(self._storage(t) for t in ins),
-                tuple(self._storage(t) for t in outs),
+                tuple(self.storage(t) for t in ins),
+                tuple(self.storage(t) for t in outs),
                 dim=dim,
                 wire_bytes=wire_bytes,
                 optimizer=self.optimizer,

@@ -29,13 +29,12 @@ MODELLED = (
     "--mixed-precision fp32/bf16, --activation-checkpointing, --reshard-after-forward, "
     "--fsdp-units, --prefetch, --optimizer, --compile (fused elementwise kernels), --pp (each "
     "stage a rank role) with --pp-schedule gpipe/1f1b and --pp-microbatches, --lora-rank with "
-    "--quantize-base nf4; besides the training step, evaluation "
+    "--quantize-base nf4, --cpu-offload (sharded parameters, gradients and optimizer state on "
+    "the host; each unit's shards copied in per all-gather, gradients out per reduction, the "
+    "optimizer stepping on the host); besides the training step, evaluation "
     "(--test-batch-size), the --save-model gather and checkpoint saves (--ckpt-dir, "
     "--async-checkpoint)"
 )
-NOT_MODELLED = {
-    "cpu_offload": "--cpu-offload (the plan keeps state on the GPU)",
-}
 
 
 def summarize(plan: RunPlan, hw: Hardware, runs: list[RoleRun] | None = None) -> dict:
@@ -89,6 +88,8 @@ def combine(plan: RunPlan, roles: list[dict]) -> dict:
         "peak_bytes_per_rank": worst["memory"]["peak_bytes"],
         "reserved_bytes_per_rank": worst["memory"]["reserved_bytes_estimate"],
         "state_bytes_per_rank": max(r["state_bytes"] for r in roles),
+        # --cpu-offload: the state each rank keeps in host memory
+        "host_bytes_per_rank": max(r.get("offload", {}).get("host_bytes", 0) for r in roles),
         "comm_bytes_per_step": comm_bytes,
         "step_s": max(r["time"]["step_s"] for r in roles),
         "tokens_per_s_per_gpu": min(r["tokens_per_s_per_gpu"] for r in roles),
@@ -146,8 +147,7 @@ def plan_report(cfg: TrainConfig, world_size: int, hw: Hardware, alternatives: b
         "context, NCCL)",
         "latency_s": LATENCY_S,
         "modelled": MODELLED,
-        "not_modelled": [text for key, text in NOT_MODELLED.items() if getattr(cfg, key)]
-        + (
+        "not_modelled": (
             ["evaluation under --pp (the pipeline's schedule infers its shapes)"]
             if plan.dims.pp > 1
             else []
@@ -236,6 +236,29 @@ def gib_text(n: float) -> str:
     return f"{n / GIB:,.2f} GiB"
 
 
+def offload_text(o: dict) -> str:
+    """The ``--cpu-offload`` line of a rank role (:func:`~fsdp2lab.scale.estimate.offload_time`)."""
+
+    def rate(gbs: float | None) -> str:
+        return f"{gbs:,.1f} GB/s" if gbs else "an uncharacterized rate"
+
+    host_step = (
+        f"{o['host_optimizer_s'] * 1e3:,.1f} ms at {rate(o['host_memory_gbs_per_rank'])} (the "
+        "node's host memory bandwidth shared by its ranks)"
+        if o["host_optimizer_s"] is not None
+        else "time uncharacterized (no host memory bandwidth published for this GPU's hosts: "
+        "left out of the step)"
+    )
+    return (
+        f"  --cpu-offload: host memory {gib_text(o['host_bytes'])} a rank (sharded parameters, "
+        f"gradients, optimizer state); a step copies {gib_text(o['h2d_bytes'])} of shards to the "
+        f"GPU (each all-gather's) at {rate(o['h2d_gbs'])} and {gib_text(o['d2h_bytes'])} of "
+        f"gradients back at {rate(o['d2h_gbs'])}, {o['copies_s'] * 1e3:,.1f} ms not overlapped; "
+        f"a unit's shards ({gib_text(o['shard_copy_bytes'])}) on the GPU as copied in; the "
+        f"optimizer steps on the host: {gib_text(o['host_optimizer_bytes'])} moved, {host_step}"
+    )
+
+
 def format_report(r: dict) -> str:
     gpu = r["gpu"]
     lines = [
@@ -276,7 +299,8 @@ def format_report(r: dict) -> str:
             lines.append(f"rank role {role['rank']} (every rank alike):")
         lines.append("  memory (tracked tensors, at the training step's peak):")
         for key in ("params", "grads", "optimizer_state", "unsharded_params", "unsharded_grads",
-                    "activations", "temporaries", "all_gather", "reduce_scatter", "inputs"):  # fmt: skip
+                    "activations", "temporaries", "all_gather", "reduce_scatter", "inputs",
+                    "shard_copies"):  # fmt: skip
             if key in mem:
                 lines.append(f"    {key:<18} {gib_text(mem[key])}")
         lines.append(f"    {'peak total':<18} {gib_text(mem['peak_bytes'])}")
@@ -319,6 +343,8 @@ def format_report(r: dict) -> str:
                         f"    {dim:<13} {kind:<15} {c['calls']:>4} calls {gib_text(c['bytes']):>13} "
                         f"({where}, {entry['bandwidth_gbs']:g} GB/s): {c['seconds'] * 1e3:,.1f} ms"
                     )
+        if "offload" in role:
+            lines.append(offload_text(role["offload"]))
         t = role["time"]
         lines.append(
             f"  step: {t['step_s'] * 1e3:,.1f} ms = {t['kernels']:,} kernels on the compute "
@@ -327,6 +353,11 @@ def format_report(r: dict) -> str:
             f" + waiting for the host to launch them {t['launch_bound_s'] * 1e3:,.1f} ms + "
             f"exposed communication {t['exposed_comm_s'] * 1e3:,.1f} ms + optimizer "
             f"{t['optimizer_s'] * 1e3:,.1f} ms"
+            + (
+                f" (on the host) + host copies {role['offload']['copies_s'] * 1e3:,.1f} ms"
+                if "offload" in role
+                else ""
+            )
             + (
                 f" + pipeline bubble {t['pipeline_bubble_s'] * 1e3:,.1f} ms"
                 if "stage" in role

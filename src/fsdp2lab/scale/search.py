@@ -181,6 +181,11 @@ def check_args(cfg: TrainConfig, given: Iterable[str] = ()) -> tuple[str, ...]:
         )
     if cfg.global_batch_size is None:
         raise UsageError("fsdp2lab plan --search needs --global-batch-size (samples per step)")
+    if cfg.cpu_offload:  # its HSDP derivation and shallow copies scale no offloaded bytes
+        raise UsageError(
+            "fsdp2lab plan --search does not search --cpu-offload layouts yet: plan one layout "
+            "without --search"
+        )
     return fixed
 
 

@@ -32,6 +32,16 @@ on the meta device before sharding, as ``train``'s does; :func:`load_nf4_shards`
 shard the parts its loading sets. Each step gathers the NF4 parts and dequantizes every weight
 for its matmuls: those ops are traced, tracked and counted as any other.
 
+With ``--cpu-offload`` (FSDP2's ``CPUOffloadPolicy``) the step is simulated as without it (on
+fake CPU tensors FSDP2's copies between host and device are no ops), and what the policy moves
+is taken from it (:func:`offload_figures`): the tracker's device peak leaves out the sharded
+parameters, gradients and optimizer state, and the optimizer's step (the host runs it); the
+largest unit's shards, copied to the device before its all-gather, are added to the peaks of the
+phases that gather (the step and evaluation); the host holds the state; the shards each step
+copies in are the bytes its ops (not the optimizer's) read of them (each all-gather's input made
+from them, forward's and, where a unit was resharded, backward's), and the gradients it copies
+out are the sharded gradients at each reduction.
+
 Tensors are fake CPU tensors: the machine needs no GPU, and the fake process group runs FSDP2's
 CPU path (no CUDA streams). Attention through ``scaled_dot_product_attention`` takes the CPU
 flash kernel, which saves what the CUDA flash kernel saves (output and log-sum-exp), so its
@@ -63,7 +73,11 @@ from fsdp2lab.models import nf4
 from fsdp2lab.models.hf import masks_decided_as_for_real_tensors
 from fsdp2lab.models.materialize import to_empty
 from fsdp2lab.models.spec import logits_of
-from fsdp2lab.parallel.fsdp2 import default_unit_min_params, reshard_all
+from fsdp2lab.parallel.fsdp2 import (
+    default_unit_min_params,
+    reduces_every_micro_batch,
+    reshard_all,
+)
 from fsdp2lab.parallel.grad_norm import clip_divisor
 from fsdp2lab.plan import RunPlan
 from fsdp2lab.runtime.mesh import build_mesh
@@ -95,6 +109,10 @@ CATEGORIES = {
     "OptState": "optimizer_state",
     "Inputs": "inputs",
 }
+# The tracker's categories that ``--cpu-offload`` keeps in host memory.
+ON_HOST = ("Sharded Param", "Sharded Grad", "OptState")
+# ``--cpu-offload``: a unit's shards copied to the device for its all-gather (not tracked).
+SHARD_COPIES = "shard_copies"
 
 
 @dataclass
@@ -138,6 +156,8 @@ class RoleRun:
     phases: list[Phase] = field(default_factory=list)
     # The step's ops in order (scale.op_trace), keyed by storage addresses: not compared.
     ops: list[Op] = field(default_factory=list, compare=False, repr=False)
+    # --cpu-offload (:func:`offload_figures`): host_bytes, h2d_bytes, d2h_bytes, shard_copy_bytes
+    offload: dict[str, int] = field(default_factory=dict)
 
     @property
     def state_bytes(self) -> int:
@@ -153,6 +173,7 @@ _COLLECTIVES = {
     "reduce_scatter_tensor_coalesced_": "reduce_scatter",
     "allreduce_": "all_reduce",
     "allreduce_coalesced_": "all_reduce",
+    "alltoall_base_": "all_to_all",  # FSDP2's reduce-scatter on gloo (fsdp2.all_to_all_reduce_scatter)
     "send": "send",  # pipeline stages: activations forward, their gradients backward
     "recv_": "recv",
 }
@@ -395,12 +416,13 @@ def train_step(
 
 
 def _sim_plan(plan: RunPlan, device_type: str) -> RunPlan:
-    """The plan as simulated: the sharding units that ``device_type`` gets (the simulation itself
-    runs on CPU)."""
+    """The plan as simulated: the sharding units and collectives that ``device_type`` gets (the
+    simulation itself runs on CPU, where ``--cpu-offload`` would move nothing: :func:`offload_figures`)."""
     changes: dict = {"cpu_offload": False, "compile": False}
     if plan.cfg.fsdp_unit_min_params is None:
         changes["fsdp_unit_min_params"] = default_unit_min_params(device_type)
-    return dataclasses.replace(plan, cfg=dataclasses.replace(plan.cfg, **changes))
+    cfg = dataclasses.replace(plan.cfg, **changes)
+    return dataclasses.replace(plan, device_type=device_type, cfg=cfg)
 
 
 def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -446,32 +468,54 @@ def track(plan: RunPlan, model, optimizer, batches, counters=(), pipeline=None, 
     return _peak(tracker)
 
 
-def memory_tracker(model, optimizer):
+def memory_tracker(model, optimizer, offload: bool = False):
     """torch's ``FSDPMemTracker`` of ``model`` and ``optimizer``, blind to DTensor's shape
     inference: under the plan's fake tensor mode it runs ops at their global shapes in that mode
     (where a real run uses a fake mode of its own, which no tracker sees), e.g. a whole
-    vocabulary's log-softmax for the vocabulary-parallel loss."""
+    vocabulary's log-softmax for the vocabulary-parallel loss. With ``offload``
+    (``--cpu-offload``) it also keeps ``device_peak``: the peak of what stays on the device (the
+    categories but :data:`ON_HOST`, outside the optimizer's step) since it was entered."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     class Tracker(SeesShapeInference, ActiveModulePeaks, FSDPMemTracker):
+        device_peak: tuple[int, dict[str, int]] | None = None
+
+        def __enter__(self):
+            entered = super().__enter__()
+            if offload:
+                self.device_peak = _by_category(self._curr_mem_snap, ON_HOST)
+            return entered
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if self._inferring():
                 return func(*args, **(kwargs or {}))
             return super().__torch_dispatch__(func, types, args, kwargs)
 
+        def _update_peak_stats(self, peak_state) -> None:
+            super()._update_peak_stats(peak_state)
+            if offload and not self._in_opt:
+                now = _by_category(self._curr_mem_snap, ON_HOST)
+                if now[0] > self.device_peak[0]:
+                    self.device_peak = now
+
     return Tracker(model, optimizer)
 
 
 def _peak(tracker) -> tuple[int, dict[str, int]]:
-    """The tracker's peak since it was last entered: (bytes, bytes by category at it)."""
-    peak = tracker.get_tracker_snapshot("peak")
-    snapshot = next(iter(peak.values())) if peak else {}
-    by_category = {
-        CATEGORIES.get(str(getattr(k, "value", k)), str(getattr(k, "value", k))): int(v)
-        for k, v in snapshot.items()
-        if str(k) != "Total"
-    }
-    return int(snapshot.get("Total", 0)), by_category
+    """The tracker's peak since it was last entered: (bytes, bytes by category at it); under
+    ``--cpu-offload``, the device's (:func:`memory_tracker`)."""
+    if tracker.device_peak is not None:
+        return tracker.device_peak
+    return _by_category(tracker.get_tracker_snapshot("peak"))
+
+
+def _by_category(snapshot: dict, leave_out: tuple[str, ...] = ()) -> tuple[int, dict[str, int]]:
+    """A tracker snapshot's (first device's) total and its bytes by category, without the
+    tracker's categories ``leave_out``."""
+    device = next(iter(snapshot.values())) if snapshot else {}
+    named = {str(getattr(k, "value", k)): int(v) for k, v in device.items()}
+    total = named.pop("Total", 0) - sum(named.pop(name, 0) for name in leave_out)
+    return total, {CATEGORIES.get(name, name): v for name, v in named.items()}
 
 
 def eval_batch(plan: RunPlan) -> int:
@@ -706,6 +750,7 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
     check_supported(plan)
     if dist.is_initialized():
         raise RuntimeError("simulate() needs a process without a process group")
+    offload = plan.cfg.cpu_offload
     plan = _sim_plan(plan, device_type)
     # Tensors held in reference cycles are freed when the collector runs, which it does by counts
     # of allocations: collected now, it runs at the same points of every simulation, whatever
@@ -749,7 +794,7 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
                 x, y = _batch(plan)
                 return (x, y) if rows == plan.micro_batch else (x[:rows], y[:rows])
 
-            tracker = memory_tracker(model, optimizer)
+            tracker = memory_tracker(model, optimizer, offload)
             with alike_loss_chunks(counter):
                 peak, by_category = track(
                     plan, model, optimizer, batches, counters, pipeline, tracker
@@ -759,6 +804,10 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
                     Phase("training step", peak, by_category, note="forward, backward, optimizer"),
                     *run_phases(plan, model, optimizer, tracker),
                 ]
+            offloaded = offload_figures(plan, model, counter.trace, state) if offload else {}
+        if offload:
+            phases = [with_shard_copies(phase, offloaded) for phase in phases]
+            peak, by_category = phases[0].peak_bytes, phases[0].peak_by_category
         stage = pipeline.stage_index if pipeline is not None else None
         return RoleRun(
             rank=rank,
@@ -772,10 +821,67 @@ def simulate(plan: RunPlan, rank: int = 0, device_type: str = "cuda") -> RoleRun
             comm={d: dict(kinds) for d, kinds in counter.comm.items()},
             phases=phases,
             ops=counter.trace.ops,
+            offload=offloaded,
         )
     finally:
         dist.destroy_process_group()
         clear_dtensor_caches()
+
+
+def offload_figures(plan: RunPlan, model, trace: OpTrace, state: dict[str, int]) -> dict[str, int]:
+    """What ``--cpu-offload`` moves for this rank, from its simulated step (``trace``) and its
+    sharded ``state``: the host's bytes (parameters, gradients, optimizer state); the bytes of
+    shards copied to the device a step (what the step's ops, not the optimizer's, read of the
+    sharded parameters: each all-gather's input is made from them); the gradients copied to the
+    host (the sharded gradients, at each reduction: every micro-batch or the last,
+    ``--grad-accum-reduce``); and the largest unit's shards, on the device while its all-gather
+    input is made (FSDP2 copies a unit's shards in just before)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    shards = {trace.storage(part): nbytes(part) for p in model.parameters() for part in _stored(p)}
+    h2d = sum(
+        size
+        for op in trace.ops
+        if not op.optimizer
+        for storage, size in zip(op.reads, op.read_bytes, strict=False)
+        if storage in shards
+    )
+    every = reduces_every_micro_batch(plan.cfg.grad_accum_reduce, plan.dims.dp_shard)
+    reductions = plan.cfg.grad_accum_steps if every else 1
+    unit_of = {}  # parameter -> its unit's FSDP state (modules in pre-order: the innermost unit)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            unit_of.update({id(p): fully_shard.state(module) for p in module.parameters()})
+    units: dict[int, int] = defaultdict(int)
+    for p in model.parameters():
+        units[id(unit_of[id(p)])] += nbytes(_stored(p))
+    return {
+        "host_bytes": sum(state.values()),
+        "h2d_bytes": h2d,
+        "d2h_bytes": state["grad_bytes"] * reductions,
+        "shard_copy_bytes": max(units.values(), default=0),
+    }
+
+
+def _stored(param) -> list[torch.Tensor]:
+    """The tensors that hold this rank's shard of ``param`` (an NF4 shard's parts)."""
+    local = local_tensor(param) if isinstance(param, DTensor) else param
+    if hasattr(local, "__tensor_flatten__"):
+        return [getattr(local, name) for name in local.__tensor_flatten__()[0]]
+    return [local]
+
+
+def with_shard_copies(phase: Phase, offloaded: dict[str, int]) -> Phase:
+    """``phase`` with ``--cpu-offload``'s copies of a unit's shards on the device, where the
+    phase gathers units (the training step, evaluation)."""
+    if phase.name not in ("training step", "evaluation"):
+        return phase
+    copies = offloaded["shard_copy_bytes"]
+    by_category = {**phase.peak_by_category, SHARD_COPIES: copies}
+    host = offloaded["host_bytes"] if phase.name == "training step" else phase.host_bytes
+    return dataclasses.replace(
+        phase, peak_bytes=phase.peak_bytes + copies, peak_by_category=by_category, host_bytes=host
+    )
 
 
 def load_nf4_shards(model, device: torch.device) -> None:
