@@ -35,8 +35,10 @@ def _traced(monkeypatch, flags: list[str]):
         shown[0] = max(shown[0], len(list(self.memory_tracking.values())))
         return update(self, peak_state)
 
-    def kept(model, optimizer, make=sim.memory_tracker):
-        trackers.append(make(model, optimizer))
+    make = sim.memory_tracker
+
+    def kept(model, optimizer, offload=False):
+        trackers.append(make(model, optimizer, offload))
         return trackers[-1]
 
     monkeypatch.setattr(MemTracker, "_update_peak_stats", counted)
