@@ -33,6 +33,8 @@ DCP get/set_state_dict, flatten_optim...  <=2.6    ``async_save(process_group=)`
                                                    async_checkpointer_type 2.7, async_stager 2.9)
 DeviceMesh slicing, ``_flatten``          <=2.6    private: ``flatten_mesh``
 FSDPModule._set_unshard_async_op          <=2.6    private: ``set_unshard_async_op``
+FSDPModule.set_custom_reduce_scatter      >2.8     ``set_custom_reduce_scatter`` (else gloo's
+                                                   own: an all-reduce of the whole input)
 torch.distributed.set_timeout             2.14     before: distributed_c10d._set_pg_timeout
                                                    (private, the same; ``set_group_timeout``)
 a gloo group's timeout, read             -        private ``options._timeout`` of its
@@ -144,8 +146,8 @@ def set_unshard_async_op(module: FSDPModule, enabled: bool) -> bool:
 
 def set_custom_reduce_scatter(module: FSDPModule, reduce_scatter: Callable) -> bool:
     """FSDP2 reduces ``module``'s gradients by ``reduce_scatter(output, input, group, op)``
-    (``FSDPModule.set_custom_reduce_scatter``, torch 2.9 on); False, with one notice, where this
-    torch has no such hook (its own reduce-scatter runs)."""
+    (``FSDPModule.set_custom_reduce_scatter``; torch 2.8 has none); False, with one notice,
+    where this torch has no such hook (its own reduce-scatter runs)."""
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
     except ImportError:
