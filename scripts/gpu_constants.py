@@ -11,7 +11,7 @@ back calls after ``--warmup`` untimed ones:
   (torch.mm), and each shape's own rate (``matmul_shapes``: what a shape-dependent model can be
   checked against);
 * ``hbm_tbs``: a large device-to-device copy's bytes read and written per second;
-* ``attention_efficiency``: causal flash attention forward and backward
+* ``attention``: causal flash attention forward and backward
   (``scaled_dot_product_attention``, bf16) at half its counted FLOPs, over the dense peak;
 * ``launch_s``: the host's time to issue one small elementwise op (the GPU idle, kernels queued).
 
@@ -130,7 +130,7 @@ def main() -> None:
         "mamf_tflops": max(shapes.values()),
         "matmul_shapes": shapes,
         "hbm_tbs": bandwidth(args),
-        "attention_efficiency": attention(args, args.peak_tflops),
+        "attention": attention(args, args.peak_tflops),
         "launch_s": launch(args),
     }
     print(json.dumps(out, indent=1))

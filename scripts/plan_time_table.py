@@ -1,15 +1,18 @@
 """docs/scale.md's time check table: each published or measured run the tests check
 (tests/test_scale_published.py, tests/test_hf_plan.py), planned, with where its step goes.
 
-    python scripts/plan_time_table.py
+    python scripts/plan_time_table.py [--out-of-sample]
 
 Prints one markdown row per run: the plan's tokens/s per GPU, the run's, the error, and the
 plan's step broken down (ms of matmul, attention and memory-bound kernels on the compute stream,
-communication the compute waits for, the optimizer). A few minutes of CPU.
+communication the compute waits for, the optimizer). A few minutes of CPU. With
+``--out-of-sample``, the out-of-sample table instead: the published runs that chose nothing
+(``OUT_OF_SAMPLE`` in tests/test_scale_published.py).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 import tempfile
@@ -17,7 +20,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-import test_hf_plan as hf  # noqa: E402
 import test_scale_published as published  # noqa: E402
 from fsdp2lab.scale.estimate import Hardware, estimate  # noqa: E402
 from fsdp2lab.scale.gpus import DEFAULT_INTER_NODE_GBS, get_gpu  # noqa: E402
@@ -25,7 +27,14 @@ from fsdp2lab.scale.simulate import simulate  # noqa: E402
 
 
 def rows(folder: Path):
-    """(name, plan, GPU, [(variant, --compile, measured tokens/s)])"""
+    """(plan, its simulation, GPU, [(variant, --compile, measured tokens/s)]): the checked runs."""
+    for plan, gpu, variants in _checked_plans(folder):
+        yield plan, simulate(plan), gpu, variants
+
+
+def _checked_plans(folder: Path):
+    import test_hf_plan as hf  # needs transformers, which the out-of-sample runs do not
+
     table = {}
     for name, (gpus, compile, rate) in published.TIME_ROWS.items():
         table.setdefault(gpus, []).append((name, compile, rate))
@@ -45,15 +54,24 @@ def rows(folder: Path):
         yield published._plan(flags, 1), "h200", variants
 
 
+def out_of_sample_rows():
+    """As ``rows``: the out-of-sample runs (simulated once a session)."""
+    for name, (*_, rate) in published.OUT_OF_SAMPLE.items():
+        yield *published.out_of_sample_run(name), "a100", [(name, False, rate)]
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out-of-sample", action="store_true")
+    args = parser.parse_args()
     print(
         "| run | plan tokens/s/GPU | measured | error | matmul ms | attention ms | "
         "memory-bound ms | exposed comm ms | optimizer ms |"
     )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     with tempfile.TemporaryDirectory() as tmp:
-        for plan, gpu, variants in rows(Path(tmp)):
-            run = simulate(plan)
+        table = out_of_sample_rows() if args.out_of_sample else rows(Path(tmp))
+        for plan, run, gpu, variants in table:
             hw = Hardware(get_gpu(gpu), 8, DEFAULT_INTER_NODE_GBS)
             for name, compile, measured in variants:
                 cfg = dataclasses.replace(plan.cfg, compile=compile)

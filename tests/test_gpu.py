@@ -400,4 +400,4 @@ def test_gpu_constants_measures_each_constant_of_the_time_model(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     c = json.loads(out.read_text())
     assert 0 < c["mamf_tflops"] <= 2500 and len(c["matmul_shapes"]) == 9
-    assert 0 < c["hbm_tbs"] < 10 and 0 < c["attention_efficiency"] < 1 and 0 < c["launch_s"] < 1e-3
+    assert 0 < c["hbm_tbs"] < 10 and 0 < c["attention"] < 1 and 0 < c["launch_s"] < 1e-3

@@ -4,6 +4,7 @@ follows from the constants in ``scale.gpus``, and on a plan's own trace."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fsdp2lab.scale.gpus import GPUS, LAUNCH_S, MATMUL_TILE
 from fsdp2lab.scale.op_trace import Op, OpTrace
-from fsdp2lab.scale.timing import fused, matmul_s, step_time
+from fsdp2lab.scale.timing import fused, kernel_s, matmul_s, step_time
 
 H100 = GPUS["h100"]
 LINKS = {"dp_shard": (H100.intra_node_gbs, 10e-6), "tp": (H100.intra_node_gbs, 10e-6)}
@@ -173,6 +174,41 @@ def test_a_softmax_over_rows_too_long_for_the_chip_reads_them_once_a_pass(
     assert forward.bytes == (forward_reads + 1) * tensor
     assert backward.read_bytes == tuple(n * tensor for n in backward_reads)
     assert backward.bytes == (sum(backward_reads) + 1) * tensor
+
+
+def test_attention_runs_at_the_published_speed_of_its_direction_and_shape():
+    """Flash attention on an H100 at FlashAttention-2's published TFLOP/s (FlashAttention-3's
+    paper, Figures 5 and 6): causal forward at head dimension 128 and 8k keys 333, backward 318
+    (the unmasked curve: no causal one is published); between published lengths interpolated in
+    log2, held beyond them, at the nearest published head dimension. A GPU without a curve (the
+    H200, measured) keeps its flat share."""
+    aten = torch.ops.aten
+    q = torch.empty(1, 32, 8192, 128, device="meta")
+    lse = torch.empty(1, 32, 8192, device="meta")
+    flops = 4 * 32 * 8192 * 8192 * 128  # QK^T and PV, unmasked
+    trace = OpTrace()
+    trace.record(aten._scaled_dot_product_flash_attention_for_cpu.default, (q, q, q, 0.0, True),
+                 {}, (q, lse), flops)  # fmt: skip
+    trace.record(aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                 (q, q, q, q, q, lse, 0.0, True), {}, (q, q, q), 5 * flops // 2)  # fmt: skip
+    forward, backward = trace.ops
+    assert (forward.attention_shape, forward.causal, forward.backward) == ((128, 8192), True, False)
+    assert (backward.attention_shape, backward.causal, backward.backward) == (
+        (128, 8192),
+        True,
+        True,
+    )
+    assert kernel_s(H100, forward) == pytest.approx(flops / 2 / 333e12)
+    assert kernel_s(H100, backward) == pytest.approx(2.5 * flops / 2 / 318e12)
+    h200 = GPUS["h200"]
+    assert kernel_s(h200, forward) == pytest.approx(flops / 2 / (989e12 * h200.attention))
+    curve = H100.attention
+    assert curve.share(True, False, 128, 3000) * 989 == pytest.approx(
+        291 + (310 - 291) * math.log2(3000 / 2048)
+    )
+    assert curve.share(False, True, 96, 1024) * 989 == pytest.approx(260)  # nearest: 128
+    assert curve.share(True, False, 256, 1 << 20) * 989 == pytest.approx(322)  # 128, held at 16k
+    assert curve.share(False, False, 64, 128) * 989 == pytest.approx(282)  # held at 512
 
 
 def test_a_storage_made_where_a_freed_one_was_is_another_to_the_trace():

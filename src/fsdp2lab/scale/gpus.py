@@ -14,6 +14,8 @@ per second in one direction. Bandwidth between nodes is no property of a GPU: ``
 
 from __future__ import annotations
 
+import bisect
+import math
 from dataclasses import dataclass
 
 from fsdp2lab.errors import UsageError
@@ -31,12 +33,65 @@ H100_MSMF = 698.6
 B200_MSMF = 1426.4
 A100_MAMF = 271.2
 MI300X_MAMF = 668.4
-# Flash attention's share of the peak: FlashAttention-2 (Dao, 2023, arXiv:2307.08691) "reaching
-# 50-73% of the theoretical maximum FLOPs/s on A100" (the middle of that range here), and only
-# "35% utilization on H100" (FlashAttention-3, Shah et al., 2024, arXiv:2407.08608), torch's own
-# flash kernel being FlashAttention-2; no figure is published for B200 and MI300X: Hopper's.
-HOPPER_ATTENTION = 0.35
+# Flash attention's share of the peak on the A100, where no curve is taken in: FlashAttention-2
+# (Dao, 2023, arXiv:2307.08691) "reaching 50-73% of the theoretical maximum FLOPs/s on A100"
+# (the middle of that range here).
 AMPERE_ATTENTION = (0.50 + 0.73) / 2
+# FlashAttention-2's speed on an H100 80GB SXM5 (torch's flash kernel is FlashAttention-2), bf16,
+# batch x sequence 16k tokens, hidden 2048: FlashAttention-3's paper (arXiv:2407.08608v2), Figure 5
+# (forward) and Figure 6 (backward), the TFLOP/s labelled on the FlashAttention-2 bars at
+# sequence lengths 512, 1k, 2k, 4k, 8k and 16k. The FLOPs are counted as here: a causal mask
+# halves them, backward is 2.5 times forward. Published per direction and mask: head dimension
+# -> TFLOP/s. Not published: backward at head dimension 256 and backward causal (the nearest
+# published head dimension, and the unmasked curve, stand in). The H100s
+# take these shares of their peak; so do the B200 and the MI300X, for which no curve is
+# published (uncharacterized). The H200 and the Ampere GPUs keep their flat share.
+FA2_H100_SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
+FA2_H100_TFLOPS = {
+    "forward": {
+        64: (282, 306, 318, 321, 322, 324),
+        128: (309, 350, 362, 368, 370, 370),
+        256: (275, 313, 321, 323, 324, 326),
+    },
+    "forward causal": {
+        64: (180, 229, 262, 284, 295, 299),
+        128: (191, 260, 298, 319, 333, 335),
+        256: (208, 251, 278, 293, 297, 298),
+    },
+    "backward": {
+        64: (198, 238, 264, 279, 287, 291),
+        128: (214, 260, 291, 310, 318, 322),
+    },
+}
+H100_SXM_BF16_TFLOPS = 989.0
+
+
+@dataclass(frozen=True)
+class AttentionCurve:
+    """An attention kernel's published speed by direction, mask, head dimension and sequence
+    length, as a share of the peak of the GPU it was measured on."""
+
+    seq_lens: tuple[int, ...]
+    tflops: dict[str, dict[int, tuple[float, ...]]]  # "forward", "forward causal", "backward" ...
+    peak_tflops: float
+
+    def share(self, backward: bool, causal: bool, head_dim: int, seq_len: int) -> float:
+        """The share of the peak at ``seq_len`` (interpolated in log2 between the published
+        lengths, held at the ends), at the nearest published head dimension; a direction and mask
+        not published take the same direction unmasked."""
+        direction = "backward" if backward else "forward"
+        by_dim = self.tflops.get(f"{direction} causal" if causal else direction)
+        by_dim = by_dim or self.tflops[direction]
+        points = by_dim[min(by_dim, key=lambda d: (abs(math.log2(d / max(head_dim, 1))), d))]
+        x = math.log2(min(max(seq_len, self.seq_lens[0]), self.seq_lens[-1]))
+        xs = [math.log2(n) for n in self.seq_lens]
+        i = min(bisect.bisect_right(xs, x), len(xs) - 1)
+        lo, hi = max(i - 1, 0), i
+        t = 0.0 if hi == lo else (x - xs[lo]) / (xs[hi] - xs[lo])
+        return (points[lo] + t * (points[hi] - points[lo])) / self.peak_tflops
+
+
+FA2_ON_H100 = AttentionCurve(FA2_H100_SEQ_LENS, FA2_H100_TFLOPS, H100_SXM_BF16_TFLOPS)
 # A matmul computes its output in tiles; a wave is one tile per SM. cuBLAS's and CUTLASS's bf16
 # kernels on Ampere and Hopper use 128 x 128 output tiles or larger.
 MATMUL_TILE = (128, 128)
@@ -102,7 +157,8 @@ class GPU:
     intra_node_gbs: float  # NCCL's bus bandwidth to the node's other GPUs, GB/s per direction
     sms: int  # streaming multiprocessors (compute units)
     mamf_tflops: float  # the matmul rate a step sees, bf16 TFLOP/s (sustained where published)
-    attention_efficiency: float  # flash attention's achieved / peak bf16 FLOP/s
+    # flash attention's achieved share of the peak bf16 FLOP/s: one share, or a published curve
+    attention: float | AttentionCurve
     tile: tuple[int, int] = MATMUL_TILE  # a matmul's output tile: (1, 1) where there are no waves
     launch_s: float = LAUNCH_S  # the host's time to issue one op
     pcie_gbs: float | None = None  # its host link's line rate per direction, GB/s
@@ -127,7 +183,7 @@ GPUS: dict[str, GPU] = {
             NVLINK4_BUS_GBS,
             132,
             H100_MSMF,
-            HOPPER_ATTENTION,
+            FA2_ON_H100,
             pcie_gbs=PCIE5_X16_GBS,
             host_memory_gbs=HOPPER_NODE_HOST_GBS,
         ),
@@ -145,7 +201,7 @@ GPUS: dict[str, GPU] = {
             NVLINK4_BUS_GBS,
             132,
             H100_96GB_MSMF,
-            HOPPER_ATTENTION,
+            FA2_ON_H100,
             pcie_gbs=PCIE5_X16_GBS,
             host_memory_gbs=HOPPER_NODE_HOST_GBS,
         ),
@@ -180,7 +236,7 @@ GPUS: dict[str, GPU] = {
             900.0,
             148,
             B200_MSMF,
-            HOPPER_ATTENTION,
+            FA2_ON_H100,
             pcie_gbs=PCIE5_X16_GBS,
         ),
         # https://www.nvidia.com/en-us/data-center/a100/ (A100 40 GB SXM: 312 TFLOPS bf16 dense,
@@ -221,7 +277,7 @@ GPUS: dict[str, GPU] = {
             448.0,
             304,
             MI300X_MAMF,
-            HOPPER_ATTENTION,
+            FA2_ON_H100,
             pcie_gbs=PCIE5_X16_GBS,
         ),
         # A 24 GB consumer GPU (Answer.AI's FSDP-QLoRA trains a 70B on two 24 GB gaming GPUs,

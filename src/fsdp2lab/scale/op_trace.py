@@ -1,6 +1,6 @@
 """The ops of a simulated training step, in the order a rank issues them, with what a GPU's time
-depends on: FLOPs, bytes read and written, a matmul's shape, an attention's causality, a
-collective's bytes on the wire, and which tensors (storages) each op reads and writes.
+depends on: FLOPs, bytes read and written, a matmul's shape, an attention's direction, mask,
+head dimension and key length, a collective's bytes on the wire, and which tensors (storages) each op reads and writes.
 
 :class:`OpTrace` is filled by the plan's dispatch mode (``scale.simulate.StepCounter``) over the
 tracked step; ``scale.timing`` turns it into a step time. Ops that launch no kernel (views,
@@ -96,6 +96,8 @@ class Op:
     write_bytes: tuple[int, ...] = ()  # of each tensor written
     mnk: tuple[int, int, int] = (0, 0, 0)  # a matmul's output rows, columns and inner size
     causal: bool = False  # an attention's mask: the kernel computes about half its FLOPs
+    attention_shape: tuple[int, int] = (0, 0)  # an attention's head dimension and key length
+    backward: bool = False  # an attention's backward kernel
     dim: str = ""  # a collective's mesh dimension
     wire_bytes: int = 0  # what a rank sends (= receives) for a collective
     optimizer: bool = False  # run by the optimizer step
@@ -133,11 +135,24 @@ def _row_bytes(t: torch.Tensor, dim: int) -> int:
     return t.shape[dim] * t.element_size()
 
 
-def _causal(func, args, kwargs) -> bool:
+def _argument(func, args, kwargs, name: str, default=None):
+    """The argument of ``func`` called ``name`` in its schema, as given or defaulted."""
     for i, arg in enumerate(func._schema.arguments):
-        if arg.name == "is_causal":
-            return bool(kwargs.get("is_causal", args[i] if i < len(args) else False))
-    return False
+        if arg.name == name:
+            return kwargs.get(name, args[i] if i < len(args) else default)
+    return default
+
+
+def _attention(func, args, kwargs) -> dict:
+    """An attention kernel's mask, direction, head dimension and key length (query and key are
+    laid out batch, heads, sequence, head dimension)."""
+    key = _argument(func, args, kwargs, "key")
+    shape = (key.shape[-1], key.shape[-2]) if isinstance(key, torch.Tensor) else (0, 0)
+    return {
+        "causal": bool(_argument(func, args, kwargs, "is_causal", False)),
+        "attention_shape": shape,
+        "backward": "backward" in func._overloadpacket.__name__,
+    }
 
 
 class OpTrace:
@@ -181,7 +196,7 @@ class OpTrace:
         elif packet in MATMULS:
             kind, extra = "matmul", {"mnk": _mnk(func, args)}
         elif "attention" in packet.__name__:
-            kind, extra = "attention", {"causal": _causal(func, args, kwargs)}
+            kind, extra = "attention", _attention(func, args, kwargs)
         else:
             kind, extra = "memory", {}
         read, written = tuple(map(nbytes, ins)), tuple(map(nbytes, outs))

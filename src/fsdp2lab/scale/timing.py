@@ -6,8 +6,9 @@ Each op's time on its stream:
 * **matmul**: its FLOPs at the GPU's sustained matmul rate (``GPU.mamf_tflops``), scaled by how
   much of the last wave of output tiles is useful (a skinny or small matmul leaves SMs idle), and
   never less than its bytes at the copy bandwidth;
-* **attention** (flash kernels): its FLOPs (half under a causal mask) at the GPU's attention
-  efficiency;
+* **attention** (flash kernels): its FLOPs (half under a causal mask) at the GPU's published
+  flash-attention speed for its direction, mask, head dimension and sequence length
+  (``GPU.attention``: a curve), else at the GPU's one share of the peak;
 * **everything else**: its bytes read and written at the achieved copy bandwidth;
 * **collectives**: their bytes on the wire at the link's bandwidth (NCCL's bus bandwidth over
   NVLink within a node, the network across nodes) plus a latency per call.
@@ -84,8 +85,18 @@ def kernel_s(gpu: GPU, op: Op) -> float:
         return matmul_s(gpu, op.flops, op.bytes, op.mnk)
     if op.kind == "attention":
         flops = op.flops / 2 if op.causal else op.flops
-        return flops / (gpu.bf16_tflops * 1e12 * gpu.attention_efficiency)
+        return flops / (gpu.bf16_tflops * 1e12 * attention_share(gpu, op))
     return op.bytes / (gpu.hbm_tbs * 1e12)
+
+
+def attention_share(gpu: GPU, op: Op) -> float:
+    """Flash attention's achieved share of ``gpu``'s peak for ``op``: its published curve at the
+    op's direction, mask, head dimension and key length where the GPU has one, else its one
+    share."""
+    if isinstance(gpu.attention, float):
+        return gpu.attention
+    head_dim, seq_len = op.attention_shape
+    return gpu.attention.share(op.backward, op.causal, head_dim, seq_len)
 
 
 def fused(ops: list[Op]) -> list[Op]:
