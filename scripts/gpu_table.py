@@ -11,8 +11,8 @@ own init), trained on synthetic tokens: ``--seq-len 2048 --batch-size 4 --mixed-
 
 * ``fsdp2``, ``single``, ``ac-full``, ``compile``, ``lora``, ``qlora``, ``offload``: ``fsdp2lab
   train`` (FSDP2 on one rank; ``--strategy single``; ``--activation-checkpointing full``;
-  ``--compile``; ``--lora-rank 16 --lora-dropout 0``; the same with ``--quantize-base nf4
-  --strategy single``, QLoRA, which needs torchao and one rank's FSDP2 does not gather NF4 weights;
+  ``--compile``; ``--lora-rank 16 --lora-dropout 0``; the same with ``--quantize-base nf4``,
+  QLoRA, which needs torchao (one rank's FSDP2 leaves the NF4 base whole);
   ``--cpu-offload --max-grad-norm 1.0``), each in its own process, a step record every step
   (``--metrics-file``).
 * ``fsdp2-log10``, ``lora-log10``: the ``fsdp2`` and ``lora`` rows with a step record every 10
@@ -59,7 +59,7 @@ TRAIN_ROWS = {
     "ac-full": ["--activation-checkpointing", "full"],
     "compile": ["--compile"],
     "lora": LORA,
-    "qlora": [*LORA, "--quantize-base", "nf4", "--strategy", "single"],
+    "qlora": [*LORA, "--quantize-base", "nf4"],
     "offload": ["--cpu-offload", "--max-grad-norm", "1.0"],
     "fsdp2-log10": [],
     "lora-log10": LORA,
@@ -75,7 +75,7 @@ LABELS = {
     "ac-full": "fsdp2lab --activation-checkpointing full",
     "compile": "fsdp2lab --compile",
     "lora": "fsdp2lab --lora-rank 16",
-    "qlora": "fsdp2lab --strategy single --lora-rank 16 --quantize-base nf4",
+    "qlora": "fsdp2lab --lora-rank 16 --quantize-base nf4",
     "offload": "fsdp2lab --cpu-offload --max-grad-norm 1.0",
     "fsdp2-log10": "fsdp2lab FSDP2, 1 rank, a step record every 10 steps",
     "lora-log10": "fsdp2lab --lora-rank 16, a step record every 10 steps",

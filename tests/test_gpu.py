@@ -378,8 +378,8 @@ def test_gpu_table_fsdp2_keeps_up_with_the_fused_loop(table_rows):
 
 @pytest.mark.hf  # torchao: a skip without it is allowed outside the hf stage (tests/skips.py)
 def test_gpu_table_qlora_peaks_below_lora(tmp_path):
-    """The NF4 base (``--strategy single``: one rank's FSDP2 does not gather NF4) against LoRA's
-    base in its storage dtype (``lora.base_dtype``), over 3 steps."""
+    """The NF4 base (one rank's FSDP2 leaves it whole) against LoRA's base in its storage dtype
+    (``lora.base_dtype``), over 3 steps."""
     pytest.importorskip("torchao")
     pytest.importorskip("peft")
     rows = gpu_table_rows(tmp_path, "lora,qlora", 3, 1)

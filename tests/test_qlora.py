@@ -1,7 +1,7 @@
 """``--quantize-base nf4`` (QLoRA): LoRA adapters on a frozen NF4 base, sharded by FSDP2.
 
-16 steps of a tiny gpt with QLoRA on FSDP2 (2 ranks, gloo, with activation checkpointing) and
-on HSDP (2 x 2) follow one process (``--strategy single``) within 1e-5; on every rank each decoder
+16 steps of a tiny gpt with QLoRA on FSDP2 (2 ranks, gloo, with activation checkpointing; 1 rank)
+and on HSDP (2 x 2, 2 x 1) follow one process (``--strategy single``) within 1e-5; on every rank each decoder
 layer's linear weights are torchao NF4Tensors, frozen, without gradient or optimizer state, bit for
 bit the same after training; every adapter of every layer moved; the run's parameter bytes per rank
 are NF4's.
@@ -14,8 +14,9 @@ between the 2-rank and the one-process straight runs (tests/scripts/resume_matri
 that differs (block sizes, seed, a quantized base against an unquantized one, both ways) is refused
 in one line, exit code 2.
 
-What QLoRA does not support yet (FSDP2 on one rank included) is refused in one line before any
-worker starts (exit code 2).
+On one shard rank (one process, or HSDP 2 x 1) FSDP2 leaves the NF4 base whole and follows the one
+process too. What QLoRA does not support yet (there, --cpu-offload) is refused in one line before
+any worker starts (exit code 2).
 """
 
 from __future__ import annotations
@@ -86,17 +87,25 @@ def single(tmp_path_factory) -> tuple[list, list, dict]:
 
 
 @pytest.mark.parametrize(
-    ("ranks", "flags"),
-    [(2, ["--activation-checkpointing", "full"]), (4, ["--dp-replicate", "2"])],
-    ids=["fsdp2-ac", "hsdp-2x2"],
+    ("ranks", "shards", "flags"),
+    [
+        (2, 2, ["--activation-checkpointing", "full"]),
+        (4, 2, ["--dp-replicate", "2"]),
+        (1, 1, []),
+        (2, 1, ["--dp-replicate", "2"]),
+    ],
+    ids=["fsdp2-ac", "hsdp-2x2", "fsdp2-one-rank", "hsdp-2x1"],
 )
-def test_sharded_follows_one_process_base_frozen_adapters_move(tmp_path, single, ranks, flags):
+def test_sharded_follows_one_process_base_frozen_adapters_move(
+    tmp_path, single, ranks, shards, flags
+):
+    """On one shard rank (one process, or replicas only) FSDP2 leaves the NF4 base whole."""
     one, one_losses, one_summary = single
     sharded, sharded_losses, summary = qlora_run(tmp_path, "sharded", ranks, *flags)
     assert len(sharded_losses) == 16
     assert_close_lists(sharded_losses, one_losses, 1e-5)
     assert one_summary["param_bytes"] == [nf4_param_bytes(one_summary, 1)]
-    assert summary["param_bytes"] == [nf4_param_bytes(summary, 2)] * ranks  # dp_shard 2
+    assert summary["param_bytes"] == [nf4_param_bytes(summary, shards)] * ranks
     quantized = {f"blocks.{i}.{part}.{t}.base_layer.weight"
                  for i in range(LAYERS) for part, names in (("attn", TARGETS[:4]), ("mlp", TARGETS[4:]))
                  for t in names}  # fmt: skip
@@ -147,16 +156,22 @@ def test_cli_refusal_is_one_line_exit_2(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_fsdp2_must_shard_over_two_ranks_or_more():
-    """FSDP2's one-rank path would not all-gather NF4's parts: refused by the plan, which the CLI
-    resolves before any worker starts (one process, or HSDP 2 x 1)."""
+def test_one_shard_rank_leaves_the_base_whole_and_refuses_to_offload_it():
+    """FSDP2's one-rank all-gather passes on only the first of NF4's parts: on one shard rank
+    (one process, or HSDP 2 x 1) the plan names the base's weights for FSDP2 to leave whole, and
+    refuses --cpu-offload (which would leave them on the host) in one line, before any worker."""
+    names = {f"blocks.{i}.{part}.{t}.base_layer.weight"
+             for i in range(LAYERS) for part, targets in (("attn", TARGETS[:4]), ("mlp", TARGETS[4:]))
+             for t in targets}  # fmt: skip
     message = (
-        r"^--quantize-base nf4 with --strategy fsdp2 needs 2 or more ranks to shard over \(FSDP2 "
-        r"on one rank does not gather NF4 weights\): on one process use --strategy single$"
+        r"^--quantize-base nf4 with --cpu-offload needs 2 or more ranks to shard over \(on one "
+        r"the NF4 base stays on the GPU, whole\)$"
     )
     for world_size, flags in ((1, {}), (2, {"dp_replicate": 2})):
+        assert set(resolve(TrainConfig(**{**GPT, **flags}), world_size, "cpu").unsharded) == names
         with pytest.raises(UsageError, match=message):
-            resolve(TrainConfig(**{**GPT, **flags}), world_size, "cpu")
+            resolve(TrainConfig(**{**GPT, **flags, "cpu_offload": True}), world_size, "cpu")
+    assert resolve(TrainConfig(**GPT), 2, "cpu").unsharded == ()
     resolve(TrainConfig(**GPT, strategy="single"), 1, "cpu")
 
 

@@ -49,6 +49,9 @@ class RunPlan:
     # Module names per pipeline stage (--pp) or per device (--strategy model-parallel).
     stages: tuple[tuple[str, ...], ...] = ()
     n_microbatches: int = 1  # --pp: micro-batches per step
+    # parameters FSDP2 leaves whole on every rank: an NF4 base on one shard rank (FSDP2's
+    # one-rank all-gather passes on only the first of NF4's parts), made NF4 in the compute dtype
+    unsharded: tuple[str, ...] = ()
     params_total: int = 0
     loss: Callable | None = None  # --loss, else the model's own; None: cross-entropy
     # The model built on the meta device; the trainer parallelises a copy of it.
@@ -108,12 +111,17 @@ def resolve(cfg: TrainConfig, world_size: int, device_type: str | None = None) -
         _check_save_hf(cfg, model)
     if cfg.lora_rank is not None:  # adapters on the meta model: sharded with their layer
         cfg, spec, model = _with_lora(cfg, spec, model)
+    unsharded: tuple[str, ...] = ()
     if cfg.quantize_base:  # NF4 on meta, sharded, each shard quantized as loaded; single: whole
-        quantize.check_sizes(model, units, dims.dp_shard, cfg.strategy)
+        quantize.check_sizes(model, units, dims.dp_shard, cfg)
         if strategy.materialize_first:
             load = quantize.after_load(spec.load_weights, units)
             spec = dataclasses.replace(spec, load_weights=load)
         else:
+            if dims.dp_shard == 1:
+                unsharded = tuple(
+                    f"{name}.weight" for name, _ in quantize.base_linears(model, units)
+                )
             parallelize = quantize.before_sharding(strategy.parallelize, units)
             strategy = dataclasses.replace(strategy, parallelize=parallelize)
     if is_reference("model", cfg.model) and not your_dataset:  # checked when it is loaded
@@ -164,6 +172,7 @@ def resolve(cfg: TrainConfig, world_size: int, device_type: str | None = None) -
         head=head,
         stages=stages,
         n_microbatches=n_microbatches,
+        unsharded=unsharded,
         params_total=sum(p.numel() for p in model.parameters()),
         loss=_loss(cfg, spec),
         meta_model=model,

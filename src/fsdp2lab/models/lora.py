@@ -176,7 +176,7 @@ def init_adapters(model: nn.Module, reference: nn.Module, seed: int) -> None:
 
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-_COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def base_dtype(cfg, source: str | None) -> torch.dtype:
@@ -192,7 +192,7 @@ def base_dtype(cfg, source: str | None) -> torch.dtype:
         config = json.loads((Path(source) / "config.json").read_text())
         stored = {getattr(torch, str(config.get("dtype") or config.get("torch_dtype")), None)}
     stored.discard(None)
-    compute = _COMPUTE[cfg.mixed_precision]
+    compute = COMPUTE_DTYPES[cfg.mixed_precision]
     return compute if stored == {compute} else torch.float32
 
 

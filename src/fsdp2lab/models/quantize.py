@@ -11,8 +11,11 @@ so FSDP2 shards each by rows with torchao's own split and all-gathers its NF4 pa
 (``NF4Tensor.fsdp_pre/post_all_gather``). Each rank then reads only its rows of the source (an
 ``hf:`` folder's slices, or its part of a seeded module's weights) and quantizes them into its
 shard (``nf4.quantize_into``), bit for bit the shard of ``to_nf4`` of the whole weight: so no rank
-holds more than one whole weight at a time. ``--strategy single`` quantizes the loaded weights
-whole (:func:`after_load`).
+holds more than one whole weight at a time. On one shard rank FSDP2 would hand a layer only the
+first of NF4's parts (its one-rank path skips the all-gather): there it leaves the base whole
+(``RunPlan.unsharded``, FSDP2's ``ignored_params``), made NF4 in the compute dtype, as FSDP2's
+all-gather would have cast it. ``--strategy single`` quantizes the loaded weights whole
+(:func:`after_load`).
 
 Checkpoints (``--ckpt-dir``, ``--resume``) hold the adapters and their optimizer state, never the
 NF4 base, and in the run info the base's quantization (:func:`record`). On resume the base is
@@ -28,9 +31,8 @@ world size, e.g. saved on 2 ranks, resumed in one process::
 * :func:`check` -- what ``--quantize-base`` refuses before any worker starts (one line): other
   strategies than ``fsdp2`` (HSDP too) and ``single``, ``--tp``, ``--pp``, ``--save-model``,
   ``--activation-checkpointing op``.
-* :func:`check_sizes` -- each quantized weight splits into whole NF4 blocks on every shard, and
-  FSDP2 shards over 2 or more ranks (its one-rank path does not all-gather NF4's parts: one
-  process runs ``--strategy single``).
+* :func:`check_sizes` -- each quantized weight splits into whole NF4 blocks on every shard;
+  ``--cpu-offload`` needs 2 or more shard ranks (on one the base stays whole on the device).
 * :func:`base_linears` -- the linear modules whose weights become NF4.
 * :func:`before_sharding` -- a strategy's ``parallelize`` that quantizes the meta model first.
 * :func:`after_load` -- a ``ModelSpec.load_weights`` that loads the base, then quantizes it.
@@ -43,7 +45,7 @@ import torch
 import torch.nn as nn
 
 from fsdp2lab.errors import UsageError
-from fsdp2lab.models.lora import is_adapter
+from fsdp2lab.models.lora import COMPUTE_DTYPES, is_adapter
 from fsdp2lab.models.nf4 import BLOCK, SCALER_BLOCK, VALUES_PER_SCALER_BLOCK, nf4_api
 
 # Flags (config field -> is it set) whose code paths do not handle NF4 weights yet.
@@ -86,15 +88,15 @@ def base_linears(model: nn.Module, units: tuple[str, ...]) -> list[tuple[str, nn
     return found
 
 
-def check_sizes(model: nn.Module, units: tuple[str, ...], shards: int, strategy: str) -> None:
+def check_sizes(model: nn.Module, units: tuple[str, ...], shards: int, cfg) -> None:
     """Each quantized weight must split into whole double-quantization blocks on each of the
     ``shards`` ranks FSDP2 shards it over (torchao's NF4 split): UsageError naming the first
-    weight that does not, and the sizes that would. FSDP2 must shard over 2 or more ranks: on
-    one its all-gather is skipped and only the first of NF4's three parts reaches the layer."""
-    if strategy == "fsdp2" and shards == 1:
+    weight that does not, and the sizes that would. On one shard rank FSDP2 leaves the NF4 base
+    whole (``RunPlan.unsharded``), so it cannot offload it: ``--cpu-offload`` is refused."""
+    if cfg.strategy == "fsdp2" and shards == 1 and cfg.cpu_offload:
         raise UsageError(
-            "--quantize-base nf4 with --strategy fsdp2 needs 2 or more ranks to shard over "
-            "(FSDP2 on one rank does not gather NF4 weights): on one process use --strategy single"
+            "--quantize-base nf4 with --cpu-offload needs 2 or more ranks to shard over (on one "
+            "the NF4 base stays on the GPU, whole)"
         )
     linears = base_linears(model, units)
     if not linears:
@@ -111,14 +113,17 @@ def check_sizes(model: nn.Module, units: tuple[str, ...], shards: int, strategy:
             )
 
 
-def quantize_base(model: nn.Module, units: tuple[str, ...]) -> None:
-    """Replace each :func:`base_linears` weight of ``model`` by its NF4. On the meta device (shapes
-    only) one ``to_nf4`` per shape and dtype: the other weights of that shape are ``empty_like``
-    it (torchao quantizes a 70B projection's meta weight in chunks, about 0.1 s each)."""
+def quantize_base(
+    model: nn.Module, units: tuple[str, ...], dtype: torch.dtype | None = None
+) -> None:
+    """Replace each :func:`base_linears` weight of ``model`` by its NF4 (dequantizing to
+    ``dtype``, default the weight's). On the meta device (shapes only) one ``to_nf4`` per shape
+    and dtype: the other weights of that shape are ``empty_like`` it (torchao quantizes a 70B
+    projection's meta weight in chunks, about 0.1 s each)."""
     _, to_nf4 = nf4_api()
     on_meta: dict[tuple, torch.Tensor] = {}
     for _, module in base_linears(model, units):
-        weight = module.weight.detach()
+        weight = module.weight.detach().to(dtype or module.weight.dtype)
         if weight.is_meta:
             key = (weight.shape, weight.dtype)
             if key not in on_meta:
@@ -135,7 +140,9 @@ def before_sharding(parallelize, units: tuple[str, ...]):
     filled when the weights are loaded (``nf4.quantize_into``)."""
 
     def parallelize_nf4(model: nn.Module, plan, mesh, device) -> nn.Module:
-        quantize_base(model, units)
+        # a base FSDP2 leaves whole is not cast by it: made NF4 in the compute dtype
+        whole = plan.unsharded and plan.cfg.mixed_precision != "fp32"
+        quantize_base(model, units, COMPUTE_DTYPES[plan.cfg.mixed_precision] if whole else None)
         return parallelize(model, plan, mesh, device)
 
     return parallelize_nf4

@@ -50,6 +50,7 @@ def apply_fsdp(
     unit_min_params: int | None = None,
     reduce_every_micro_batch: bool = False,
     reduce_by_all_to_all: bool = False,
+    unsharded: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """Shard the units (grouped by ``unit_policy``), the ``head`` modules as one more unit where
     they hold ``unit_min_params`` (a large vocabulary's projection: its gradient is then reduced
@@ -58,7 +59,8 @@ def apply_fsdp(
     parameters gathered from forward to backward, which needs them first.
 
     ``reduce_by_all_to_all`` (gloo): gradients are reduced by
-    :func:`all_to_all_reduce_scatter`.
+    :func:`all_to_all_reduce_scatter`. ``unsharded``: frozen parameters FSDP2 leaves alone (its
+    ``ignored_params``): not sharded, gathered or cast.
 
     ``prefetch`` > 0 sets explicit prefetching: each unit's forward all-gathers the next
     ``prefetch`` units, and its backward the previous ones (on CPU, asynchronously, so that they
@@ -68,6 +70,7 @@ def apply_fsdp(
         mesh=dp_mesh,
         mp_policy=mixed_precision_policy(precision),
         offload_policy=offload_policy(cpu_offload, device or torch.device("cpu")),
+        ignored_params=unsharded,
     )
     min_params = unit_min_params or default_unit_min_params(dp_mesh.device_type)
     groups = unit_groups(units, unit_policy, min_params)

@@ -104,6 +104,7 @@ def _fsdp2(model: nn.Module, plan: RunPlan, mesh: DeviceMesh, device: torch.devi
             cfg.grad_accum_reduce, plan.dims.dp_shard
         ),
         reduce_by_all_to_all=plan.device_type == "cpu",  # gloo's reduce-scatter all-reduces
+        unsharded={model.get_parameter(name) for name in plan.unsharded} or None,
     )
 
 

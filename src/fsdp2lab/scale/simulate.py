@@ -474,11 +474,20 @@ def memory_tracker(model, optimizer, offload: bool = False):
     (where a real run uses a fake mode of its own, which no tracker sees), e.g. a whole
     vocabulary's log-softmax for the vocabulary-parallel loss. With ``offload``
     (``--cpu-offload``) it also keeps ``device_peak``: the peak of what stays on the device (the
-    categories but :data:`ON_HOST`, outside the optimizer's step) since it was entered."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    categories but :data:`ON_HOST`, outside the optimizer's step) since it was entered.
+    Parameters FSDP2 leaves alone (``RunPlan.unsharded``: not DTensors) count as a rank's
+    parameters, as FSDP2's own shards do."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+
+    whole = [p for p in model.parameters() if not isinstance(p, DTensor)]
 
     class Tracker(SeesShapeInference, ActiveModulePeaks, FSDPMemTracker):
         device_peak: tuple[int, dict[str, int]] | None = None
+
+        def _register_module_and_optimizer_hooks(self) -> None:
+            super()._register_module_and_optimizer_hooks()
+            for param in whole:
+                self._update_and_maybe_create_winfos(param, _FSDPRefType.SHARDED_PARAM)
 
         def __enter__(self):
             entered = super().__enter__()
