@@ -5,8 +5,9 @@ its shards, counted from torchao's own ``to_nf4`` of real weights split as FSDP2
 (``torch.chunk``, NF4's own split): the plan's sharded state is made on fake tensors, this from
 real ones. The report's whole NF4 bytes are the real ``to_nf4``'s. The planned step dequantizes
 every NF4 weight in forward and again in backward: those memory-bound ops are in its trace. The
-real trainer's steps on 2 CPU ranks (tests/scripts/scale_measure.py: the CPU allocator's events,
-gloo's records) match the plan as the rows of tests/test_scale_plan.py do.
+real trainer's steps on 1 CPU rank (the NF4 base left whole), 2 ranks and HSDP 2 x 2
+(tests/scripts/scale_measure.py: the CPU allocator's events, gloo's records) match the plan as the
+rows of tests/test_scale_plan.py do.
 """
 
 from __future__ import annotations
@@ -91,17 +92,21 @@ def test_nf4_saving_and_dequantization_planned():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks", [1, RANKS])
-def test_plan_matches_real_qlora_run(ranks):
+@pytest.mark.parametrize(
+    ("ranks", "layout"),
+    [(1, []), (RANKS, []), (4, ["--dp-replicate", "2"])],
+    ids=["one-rank", "fsdp2", "hsdp-2x2"],
+)
+def test_plan_matches_real_qlora_run(ranks, layout):
     """The real trainer's QLoRA steps on CPU ranks against the plan, as
     ``test_scale_plan.test_plan_matches_real_trainer``'s rows: the optimizer state its first
     step makes (allocator bytes) and each step's collectives (gloo's records) equal; every
     measured step's peak the same, the plan's within 2% of it (pinned at 1.000, the gpt rows').
     On one rank FSDP2 leaves the NF4 base whole (``RunPlan.unsharded``)."""
-    plan = plan_of(ranks, QLORA)
+    plan = plan_of(ranks, [*QLORA, *layout])
     assert bool(plan.unsharded) == (ranks == 1)
     planned = simulate(plan, device_type="cpu")
-    (real,) = measure(ranks, QLORA)
+    (real,) = measure(ranks, [*QLORA, *layout])
     assert real["optimizer_state_bytes"] == planned.state["optimizer_state_bytes"]
     one_rank_norm = ONE_RANK_NORM if ranks == 1 else {}
     for step in real["steps"]:
