@@ -43,9 +43,9 @@ AMPERE_ATTENTION = (0.50 + 0.73) / 2
 # sequence lengths 512, 1k, 2k, 4k, 8k and 16k. The FLOPs are counted as here: a causal mask
 # halves them, backward is 2.5 times forward. Published per direction and mask: head dimension
 # -> TFLOP/s. Not published: backward at head dimension 256 and backward causal (the nearest
-# published head dimension, and the unmasked curve, stand in). The H100s
-# take these shares of their peak; so do the B200 and the MI300X, for which no curve is
-# published (uncharacterized). The H200 and the Ampere GPUs keep their flat share.
+# published head dimension, and the unmasked curve, stand in). The H100s take these shares of
+# their peak; so do the B200 and the MI300X, for which no curve is published (uncharacterized).
+# The H200 (measured), the A100s and the RTX 4090 take one share.
 FA2_H100_SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
 FA2_H100_TFLOPS = {
     "forward": {

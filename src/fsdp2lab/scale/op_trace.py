@@ -1,6 +1,7 @@
 """The ops of a simulated training step, in the order a rank issues them, with what a GPU's time
 depends on: FLOPs, bytes read and written, a matmul's shape, an attention's direction, mask,
-head dimension and key length, a collective's bytes on the wire, and which tensors (storages) each op reads and writes.
+head dimension and key length, a collective's bytes on the wire, and which tensors (storages)
+each op reads and writes.
 
 :class:`OpTrace` is filled by the plan's dispatch mode (``scale.simulate.StepCounter``) over the
 tracked step; ``scale.timing`` turns it into a step time. Ops that launch no kernel (views,
