@@ -112,18 +112,8 @@ def resolve(cfg: TrainConfig, world_size: int, device_type: str | None = None) -
     if cfg.lora_rank is not None:  # adapters on the meta model: sharded with their layer
         cfg, spec, model = _with_lora(cfg, spec, model)
     unsharded: tuple[str, ...] = ()
-    if cfg.quantize_base:  # NF4 on meta, sharded, each shard quantized as loaded; single: whole
-        quantize.check_sizes(model, units, dims.dp_shard, cfg)
-        if strategy.materialize_first:
-            load = quantize.after_load(spec.load_weights, units)
-            spec = dataclasses.replace(spec, load_weights=load)
-        else:
-            if dims.dp_shard == 1:
-                unsharded = tuple(
-                    f"{name}.weight" for name, _ in quantize.base_linears(model, units)
-                )
-            parallelize = quantize.before_sharding(strategy.parallelize, units)
-            strategy = dataclasses.replace(strategy, parallelize=parallelize)
+    if cfg.quantize_base:
+        spec, strategy, unsharded = _with_nf4_base(cfg, spec, strategy, model, units, dims)
     if is_reference("model", cfg.model) and not your_dataset:  # checked when it is loaded
         classify = spec.task == "classify"
         classes = spec.num_classes if classify else cfg.vocab_size
@@ -177,6 +167,28 @@ def resolve(cfg: TrainConfig, world_size: int, device_type: str | None = None) -
         loss=_loss(cfg, spec),
         meta_model=model,
     )
+
+
+def _with_nf4_base(
+    cfg: TrainConfig,
+    spec: ModelSpec,
+    strategy: Strategy,
+    model: nn.Module,
+    units: tuple[str, ...],
+    dims: ParallelDims,
+) -> tuple[ModelSpec, Strategy, tuple[str, ...]]:
+    """``--quantize-base``: the spec and strategy that make the base NF4 (on meta before FSDP2
+    shards it, each shard quantized as loaded; ``single``: whole, after loading), and the base's
+    weights FSDP2 leaves whole (on one shard rank)."""
+    quantize.check_sizes(model, units, dims.dp_shard, cfg)
+    if strategy.materialize_first:
+        load = quantize.after_load(spec.load_weights, units)
+        return dataclasses.replace(spec, load_weights=load), strategy, ()
+    unsharded = ()
+    if dims.dp_shard == 1:
+        unsharded = tuple(f"{name}.weight" for name, _ in quantize.base_linears(model, units))
+    parallelize = quantize.before_sharding(strategy.parallelize, units)
+    return spec, dataclasses.replace(strategy, parallelize=parallelize), unsharded
 
 
 def _check_save_hf(cfg: TrainConfig, model: nn.Module) -> None:
